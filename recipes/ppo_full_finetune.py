@@ -1,0 +1,2 @@
+import sys
+print("recipe stub", __name__, sys.argv)
