@@ -21,4 +21,6 @@ def asset_path(name: str = "") -> str:
 # Configs name shipped files as ${ppo_asset:tiny_sentiment/tokenizer.model} so that they
 # work from any directory and from a plain (non-editable) install.
 if not OmegaConf.has_resolver("ppo_asset"):
-    OmegaConf.register_new_resolver("ppo_asset", asset_path)
+    # omegaconf 2.4 renamed register_new_resolver; 2.3 only has the old name.
+    _register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+    _register("ppo_asset", asset_path)
