@@ -1,0 +1,221 @@
+"""PPO math on fixed-shape tensors: rewards with a KL penalty, GAE, whitening, the clipped losses.
+
+All functions are pure, keep shapes static (no boolean indexing), and compile without graph
+breaks. Masks are True where a token is valid.
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+
+class PPOStats(NamedTuple):
+    """Statistics of one PPO loss step, each a 0-dim tensor (torchtune's ``PPOStats`` fields)."""
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    ratios: torch.Tensor
+    clipfrac: torch.Tensor
+    approx_policy_kls: torch.Tensor
+
+
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None
+) -> torch.Tensor:
+    """Mean of ``x`` over positions where ``mask`` is True (0 where nothing is valid)."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum(dim=dim) / mask.sum(dim=dim).clamp(min=1.0)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Shift and scale ``x`` to zero mean and unit (unbiased) variance over valid positions.
+
+    Unlike ``torchtune.rlhf.whiten`` with its default ``shift_mean=True``, the mean is not
+    added back. Invalid positions are set to 0.
+
+    Args:
+        x (torch.Tensor): values, any shape, e.g. ``[b, response_len]``.
+        mask (torch.Tensor): bool, same shape as ``x``, True where valid.
+        eps (float): added to the variance before the square root.
+
+    Returns:
+        torch.Tensor: whitened values with the shape of ``x``.
+    """
+    mean = masked_mean(x, mask)
+    centered = (x - mean) * mask
+    n = mask.sum().to(x.dtype)
+    var = centered.pow(2).sum() / (n - 1).clamp(min=1.0)
+    return centered * torch.rsqrt(var + eps)
+
+
+def truncate_after_stop_token(
+    responses: torch.Tensor, stop_token_ids: torch.Tensor, pad_id: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Replace every token after a row's first stop token with ``pad_id``.
+
+    Args:
+        responses (torch.Tensor): generated tokens ``[b, response_len]``.
+        stop_token_ids (torch.Tensor): stop token ids ``[n_stop]``.
+        pad_id (int): padding id written after the first stop token.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor]:
+            - padding_masks: bool ``[b, response_len]``, True after the first stop token
+              (the stop token itself is kept and valid).
+            - truncated responses ``[b, response_len]`` (a new tensor; the input is not modified).
+    """
+    is_stop = torch.isin(responses, stop_token_ids)
+    seen = torch.cumsum(is_stop.int(), dim=-1)
+    padding_masks = (seen > 1) | ((seen == 1) & ~is_stop)
+    return padding_masks, responses.masked_fill(padding_masks, pad_id)
+
+
+def get_reward_penalty_mask(
+    response_padding_masks: torch.Tensor,
+    seq_lens: torch.Tensor,
+    stop_token_ids: torch.Tensor,
+    responses: torch.Tensor,
+    penalise_no_eos: bool,
+    min_response_length: Optional[int],
+) -> torch.Tensor:
+    """Rows whose score is replaced by the penalty: no stop token, or shorter than the minimum.
+
+    Args:
+        response_padding_masks (torch.Tensor): bool ``[b, response_len]``, True after the stop token.
+        seq_lens (torch.Tensor): valid response tokens per row, stop token included, ``[b]``.
+        stop_token_ids (torch.Tensor): ``[n_stop]``.
+        responses (torch.Tensor): truncated responses ``[b, response_len]``.
+        penalise_no_eos (bool): penalise rows that never emitted a stop token.
+        min_response_length (Optional[int]): penalise rows with fewer valid tokens.
+
+    Returns:
+        torch.Tensor: bool ``[b]``.
+    """
+    penalty = torch.zeros_like(seq_lens, dtype=torch.bool)
+    if penalise_no_eos:
+        has_stop = (torch.isin(responses, stop_token_ids) & ~response_padding_masks).any(-1)
+        penalty = penalty | ~has_stop
+    if min_response_length is not None:
+        penalty = penalty | (seq_lens < min_response_length)
+    return penalty
+
+
+def get_rewards_ppo(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    kl_coeff: float,
+    seq_lens: torch.Tensor,
+    masks: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token rewards: ``-kl_coeff * kl`` everywhere valid, plus the score at the last valid token.
+
+    Args:
+        scores (torch.Tensor): sequence scores ``[b]``.
+        logprobs (torch.Tensor): policy logprobs of the response ``[b, response_len]``.
+        ref_logprobs (torch.Tensor): reference logprobs ``[b, response_len]``.
+        kl_coeff (float): KL penalty coefficient.
+        seq_lens (torch.Tensor): valid tokens per row ``[b]`` (>= 1).
+        masks (torch.Tensor): bool ``[b, response_len]``, True where valid.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``rewards``, ``kl`` and ``kl_rewards``,
+        each ``[b, response_len]`` and 0 at invalid positions.
+    """
+    kl = (logprobs - ref_logprobs) * masks
+    kl_rewards = -kl_coeff * kl
+    last = (seq_lens - 1).clamp(min=0).unsqueeze(-1)  # [b, 1]
+    rewards = kl_rewards.scatter_add(1, last, scores.unsqueeze(-1).to(kl_rewards.dtype))
+    return rewards, kl, kl_rewards
+
+
+def estimate_advantages(
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    gamma: float,
+    lmbda: float,
+    masks: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (https://arxiv.org/abs/1506.02438), then whitening.
+
+    Values and rewards past the last valid token must be 0 (as :func:`get_rewards_ppo` and the
+    trajectory leave them), so the recursion ends at each row's last valid token.
+
+    Args:
+        values (torch.Tensor): value estimates ``[b, response_len]``.
+        rewards (torch.Tensor): per-token rewards ``[b, response_len]``.
+        gamma (float): discount factor.
+        lmbda (float): GAE lambda.
+        masks (torch.Tensor): bool ``[b, response_len]``, True where valid.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor]: ``advantages`` (whitened over valid tokens, 0 elsewhere)
+        and ``returns`` (``advantages + values`` before whitening), each ``[b, response_len]``.
+    """
+    values = values * masks
+    rewards = rewards * masks
+    response_len = values.shape[-1]
+    last_gae = torch.zeros_like(values[:, 0])
+    advantages = []
+    for t in reversed(range(response_len)):
+        next_value = values[:, t + 1] if t < response_len - 1 else torch.zeros_like(last_gae)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last_gae = delta + gamma * lmbda * last_gae
+        advantages.append(last_gae)
+    advantages = torch.stack(advantages[::-1], dim=1)
+    returns = advantages + values
+    return whiten(advantages, masks), returns
+
+
+def ppo_loss(
+    pi_old_logprobs: torch.Tensor,
+    pi_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    phi_old_values: torch.Tensor,
+    phi_values: torch.Tensor,
+    returns: torch.Tensor,
+    masks: torch.Tensor,
+    epsilon: float,
+    value_clip_range: float,
+    value_coeff: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clipped PPO policy loss plus clipped value loss (as ``torchtune.rlhf.loss.PPOLoss``).
+
+    Args:
+        pi_old_logprobs (torch.Tensor): logprobs at trajectory time ``[b, response_len]``.
+        pi_logprobs (torch.Tensor): logprobs of the current policy ``[b, response_len]``.
+        advantages (torch.Tensor): ``[b, response_len]``.
+        phi_old_values (torch.Tensor): values at trajectory time ``[b, response_len]``.
+        phi_values (torch.Tensor): values of the current value model ``[b, response_len]``.
+        returns (torch.Tensor): ``[b, response_len]``.
+        masks (torch.Tensor): bool ``[b, response_len]``, True where valid.
+        epsilon (float): policy ratio clip range.
+        value_clip_range (float): value clip range around the old values.
+        value_coeff (float): weight of the value loss.
+
+    Returns:
+        Tuple of 0-dim tensors: ``loss`` (with grad), then detached ``policy_loss``,
+        ``value_loss``, mean ``ratios`` and ``clipfrac``, all averaged over valid tokens.
+    """
+    ratios = torch.exp(pi_logprobs - pi_old_logprobs)
+    clipped_ratios = torch.clamp(ratios, 1.0 - epsilon, 1.0 + epsilon)
+    policy_losses_clipped = -advantages * clipped_ratios
+    policy_losses_unclipped = -advantages * ratios
+    clipfrac = masked_mean((policy_losses_clipped > policy_losses_unclipped).to(ratios.dtype), masks)
+    policy_loss = masked_mean(torch.maximum(policy_losses_clipped, policy_losses_unclipped), masks)
+
+    values_clipped = torch.clamp(
+        phi_values, phi_old_values - value_clip_range, phi_old_values + value_clip_range
+    )
+    value_losses = torch.maximum((phi_values - returns) ** 2, (values_clipped - returns) ** 2)
+    value_loss = 0.5 * masked_mean(value_losses, masks)
+
+    loss = policy_loss + value_coeff * value_loss
+    return (
+        loss,
+        policy_loss.detach(),
+        value_loss.detach(),
+        masked_mean(ratios, masks).detach(),
+        clipfrac.detach(),
+    )

@@ -1,0 +1,176 @@
+"""Steps 2-6 of a PPO step: score generated (query, response) pairs.
+
+:func:`score_trajectory` is a plain function of tensors and modules with static shapes, so
+the recipe can compile it as one graph. It is always called under ``torch.no_grad()`` with
+the same shapes, so it compiles once.
+"""
+
+from typing import Callable, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtune_ppo import rlhf
+
+
+class Trajectory(NamedTuple):
+    """A batch of scored trajectories (``b`` rows, prompt length ``P``, response length ``T``).
+
+    Attributes:
+        query_responses (torch.Tensor): prompts then truncated responses ``[b, P + T]``.
+        logprobs (torch.Tensor): policy logprobs at generation time ``[b, T]`` (0 where invalid).
+        ref_logprobs (torch.Tensor): reference policy logprobs ``[b, T]`` (0 where invalid).
+        values (torch.Tensor): value estimates ``[b, T]`` (0 where invalid).
+        masks (torch.Tensor): bool causal attention masks ``[b, P + T, P + T]``.
+        position_ids (torch.Tensor): positions counted from each row's first real token ``[b, P + T]``.
+        response_padding_masks (torch.Tensor): bool ``[b, T]``, True after the first stop token.
+        scores (torch.Tensor): reward per row after penalties ``[b]``.
+        seq_lens (torch.Tensor): valid response tokens per row, stop token included ``[b]``.
+    """
+
+    query_responses: torch.Tensor
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    masks: torch.Tensor
+    position_ids: torch.Tensor
+    response_padding_masks: torch.Tensor
+    scores: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+# Reward source: (query_responses [b, S], masks [b, S, S], position_ids [b, S],
+# last_idx [b] index of each row's last valid token) -> scores [b].
+RewardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def masks_and_positions(
+    prompt_tokens: torch.Tensor, response_len: int, pad_id: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention masks and position ids for left-padded prompts followed by responses.
+
+    Only prompt padding is masked: tokens after a stop token never influence earlier
+    positions in a causal model, and their outputs are masked downstream.
+
+    Args:
+        prompt_tokens (torch.Tensor): left-padded prompts ``[b, P]``.
+        response_len (int): ``T``.
+        pad_id (int): padding id of the prompts.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor]: bool masks ``[b, P + T, P + T]`` (the diagonal is
+        always True so all-pad rows stay finite) and int64 position ids ``[b, P + T]``.
+    """
+    b, p = prompt_tokens.shape
+    s = p + response_len
+    valid = F.pad(prompt_tokens != pad_id, (0, response_len), value=True)  # [b, S]
+    causal = torch.ones(s, s, dtype=torch.bool, device=valid.device).tril()
+    eye = torch.eye(s, dtype=torch.bool, device=valid.device)
+    masks = (causal & valid[:, None, :]) | eye
+    position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    return masks, position_ids
+
+
+def response_logprobs(
+    logits: torch.Tensor, responses: torch.Tensor, prompt_len: int, temperature: float
+) -> torch.Tensor:
+    """Logprobs of ``responses`` under full-sequence ``logits`` ``[b, P + T, V]`` -> ``[b, T]``."""
+    logits = logits[:, prompt_len - 1 : -1].float() / temperature
+    return torch.gather(F.log_softmax(logits, dim=-1), 2, responses.unsqueeze(-1)).squeeze(-1)
+
+
+class ModelReward:
+    """Reward from a classifier with one output ``[b, S, 1]``, read at the last valid token."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, tokens, masks, position_ids, last_idx):
+        out = self.model(tokens, mask=masks, input_pos=position_ids)  # [b, S, 1]
+        return out[torch.arange(out.shape[0], device=out.device), last_idx, 0].float()
+
+
+def score_trajectory(
+    query_responses: torch.Tensor,
+    logprobs: Optional[torch.Tensor],
+    policy_model: Optional[nn.Module],
+    ref_policy_model: nn.Module,
+    value_model: nn.Module,
+    reward_fn: RewardFn,
+    stop_token_ids: torch.Tensor,
+    *,
+    prompt_len: int,
+    pad_id: int,
+    temperature: float,
+    penalise_no_eos: bool,
+    min_response_length: Optional[int],
+    reward_penalty: float,
+) -> Trajectory:
+    """Steps 2-6 of the PPO trajectory: logprobs, values, truncation, scores, masks.
+
+    Args:
+        query_responses (torch.Tensor): left-padded prompts then generated tokens ``[b, P + T]``.
+        logprobs (Optional[torch.Tensor]): policy logprobs from the generator ``[b, T]``; when
+            None they are computed with ``policy_model`` (step 2).
+        policy_model (Optional[nn.Module]): the policy, used only when ``logprobs`` is None.
+        ref_policy_model (nn.Module): frozen reference policy.
+        value_model (nn.Module): value model returning ``[b, S, 1]``.
+        reward_fn (RewardFn): the reward source, e.g. :class:`ModelReward`.
+        stop_token_ids (torch.Tensor): ``[n_stop]``.
+        prompt_len (int): ``P``.
+        pad_id (int): padding id.
+        temperature (float): sampling temperature; logprobs are taken at this temperature.
+        penalise_no_eos (bool): replace the score of rows without a stop token by ``reward_penalty``.
+        min_response_length (Optional[int]): same for rows with fewer valid tokens.
+        reward_penalty (float): the replacement score.
+
+    Returns:
+        Trajectory: the scored batch.
+    """
+    prompts, responses = query_responses[:, :prompt_len], query_responses[:, prompt_len:]
+    masks, position_ids = masks_and_positions(prompts, responses.shape[1], pad_id)
+
+    # step 4 first: truncate after the first stop token, so every later step sees the final tokens
+    response_padding_masks, responses = rlhf.truncate_after_stop_token(
+        responses, stop_token_ids, pad_id
+    )
+    query_responses = torch.cat([prompts, responses], dim=1)
+    valid = ~response_padding_masks
+    seq_lens = valid.sum(-1)
+
+    # step 2: policy and reference logprobs of the responses
+    if logprobs is None:
+        logits = policy_model(query_responses, mask=masks, input_pos=position_ids)
+        logprobs = response_logprobs(logits, responses, prompt_len, temperature)
+    ref_logits = ref_policy_model(query_responses, mask=masks, input_pos=position_ids)
+    ref_logprobs = response_logprobs(ref_logits, responses, prompt_len, temperature)
+
+    # step 3: values of the states before each response token
+    values = value_model(query_responses, mask=masks, input_pos=position_ids)
+    values = values[:, prompt_len - 1 : -1, 0].float()  # [b, T]
+
+    # step 5: score the truncated pairs at each row's last valid token, then penalties
+    scores = reward_fn(query_responses, masks, position_ids, prompt_len + seq_lens - 1)
+    penalty = rlhf.get_reward_penalty_mask(
+        response_padding_masks,
+        seq_lens,
+        stop_token_ids,
+        responses,
+        penalise_no_eos,
+        min_response_length,
+    )
+    scores = torch.where(penalty, torch.full_like(scores, reward_penalty), scores)
+
+    # step 6: zero everything past the last valid token
+    return Trajectory(
+        query_responses=query_responses,
+        logprobs=logprobs.float() * valid,
+        ref_logprobs=ref_logprobs * valid,
+        values=values * valid,
+        masks=masks,
+        position_ids=position_ids,
+        response_padding_masks=response_padding_masks,
+        scores=scores,
+        seq_lens=seq_lens,
+    )
