@@ -1,2 +1,390 @@
+"""PPO full fine-tuning of a causal LM against a reward model, with compiled hot regions.
+
+Run it with ``tune run ppo_full_finetune --config <config.yaml> [key=value ...]``. To edit it,
+copy this file into your own folder under another name (``my_ppo.py``) and run
+``tune run my_ppo.py --config ...`` there: an installed ``ppo_full_finetune`` would shadow a
+copy of the same name.
+
+One PPO step reads as:
+
+    prompts [B, P] ─ generate ─► query_responses [B, P+T], logprobs [B, T]
+                   ─ score    ─► Trajectory (ref logprobs, values, truncation, scores, masks)
+                   ─ advantages (KL-penalised rewards, GAE, whitening)
+                   ─ ppo_epochs × minibatches × grad-accumulation: loss step, backward, optimizer
+"""
+
 import sys
-print("recipe stub", __name__, sys.argv)
+import time
+from contextlib import contextmanager
+from itertools import chain
+from typing import Dict, Iterator, List, Tuple
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, DistributedSampler
+from torchtune import config, modules, training, utils
+from torchtune.recipe_interfaces import FTRecipeInterface
+from tqdm import tqdm
+
+from torchtune_ppo import rlhf
+from torchtune_ppo._compile import RecompileCounter, maybe_compile
+from torchtune_ppo.config import parse_compile, validate_config
+from torchtune_ppo.data import left_pad_prompts
+from torchtune_ppo.generation import Generator
+from torchtune_ppo.loss_step import ppo_loss_step
+from torchtune_ppo.trajectory import ModelReward, Trajectory, score_trajectory
+
+log = utils.get_logger("INFO")
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of a step; syncs the device so the times are real."""
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        self.times: Dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        start = time.perf_counter()
+        yield
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+
+
+class PPOFullFinetuneRecipe(FTRecipeInterface):
+    """PPO full fine-tuning: a trained policy and value model, a frozen reference policy and reward model.
+
+    The policy, reference policy, value model and reward model are each loaded through the
+    torchtune checkpointer named in the config; the value model starts from the reward model.
+    See the README for every config key.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        self.seed = training.set_seed(seed=cfg.seed)
+        self._rng = torch.Generator(self._device).manual_seed(self.seed)
+        self._compile = parse_compile(cfg.compile)
+        self._num_steps = cfg.num_steps
+        self._batch_size = cfg.batch_size
+        self._forward_batch_size = cfg.forward_batch_size
+        self._ppo_epochs = cfg.ppo_epochs
+        self._ppo_batch_size = cfg.ppo_batch_size
+        self._grad_accum = cfg.gradient_accumulation_steps
+        self._prompt_len = cfg.max_prompt_len
+        self._response_len = cfg.max_generated_tokens
+        self._temperature = float(cfg.temperature)
+        self._kl_coeff = cfg.kl_coeff
+        self._gamma = cfg.gamma
+        self._lmbda = cfg.lmbda
+        self._clip_grad_norm = cfg.clip_grad_norm
+        self._save_every_n_steps = cfg.save_every_n_steps
+        self._log_every_n_steps = cfg.log_every_n_steps
+        self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type == "cuda"
+        self._recompiles = RecompileCounter()
+        self.steps_run = 0
+        self.epochs_run = 0
+
+    def setup(self, cfg: DictConfig) -> None:
+        self._metric_logger = self._setup_metric_logger(cfg)
+        self._metric_logger.log_config(cfg)
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._pad_id = self._tokenizer.pad_id
+        self._stop_token_ids = torch.tensor(list(cfg.stop_token_ids), device=self._device)
+
+        self._policy_checkpointer, self._policy_model = self._setup_model(
+            cfg.policy_model, cfg.checkpointer, trainable=True, cfg=cfg
+        )
+        _, self._ref_policy_model = self._setup_model(
+            cfg.policy_model, cfg.ref_policy_checkpointer, trainable=False, cfg=cfg
+        )
+        self._value_checkpointer, self._value_model = self._setup_model(
+            cfg.reward_and_value_model, cfg.value_checkpointer, trainable=True, cfg=cfg
+        )
+        _, reward_model = self._setup_model(
+            cfg.reward_and_value_model, cfg.reward_checkpointer, trainable=False, cfg=cfg
+        )
+        self._reward_fn = ModelReward(reward_model)
+
+        self._optimizer = config.instantiate(
+            cfg.optimizer,
+            chain(self._policy_model.parameters(), self._value_model.parameters()),
+        )
+        self._loss_cfg = self._setup_loss(cfg.loss)
+        self._sampler, self._dataloader = self._setup_data(cfg)
+        self._generator = Generator(
+            self._policy_model,
+            batch_size=self._forward_batch_size,
+            max_prompt_len=self._prompt_len,
+            max_generated_tokens=self._response_len,
+            pad_id=self._pad_id,
+            stop_token_ids=list(cfg.stop_token_ids),
+            temperature=self._temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            compile=self._compile.generate,
+            compile_mode=self._compile.mode,
+            dtype=self._dtype,
+            device=self._device,
+        )
+        self._score_trajectory = maybe_compile(
+            score_trajectory, enabled=self._compile.trajectory, mode="default"
+        )
+        self._ppo_loss_step = maybe_compile(
+            ppo_loss_step, enabled=self._compile.loss_step, mode="default"
+        )
+        self._traj_kwargs = dict(
+            prompt_len=self._prompt_len,
+            pad_id=self._pad_id,
+            temperature=self._temperature,
+            penalise_no_eos=cfg.penalise_no_eos,
+            min_response_length=cfg.min_response_length,
+            reward_penalty=float(cfg.reward_penalty),
+        )
+        log.info(f"Compiled regions: {self._compile}")
+
+    def _setup_metric_logger(self, cfg: DictConfig):
+        if cfg.metric_logger is None:
+            return training.metric_logging.DiskLogger(log_dir=f"{cfg.output_dir}/logs")
+        return config.instantiate(cfg.metric_logger)
+
+    def _setup_model(
+        self, cfg_model: DictConfig, cfg_checkpointer: DictConfig, *, trainable: bool, cfg: DictConfig
+    ) -> Tuple[object, torch.nn.Module]:
+        checkpointer = config.instantiate(cfg_checkpointer)
+        state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
+        with training.set_default_dtype(self._dtype), self._device:
+            model = config.instantiate(cfg_model)
+        model.load_state_dict(state_dict)
+        training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
+        # Dropout would make the trajectory's logprobs disagree with the loss step's.
+        training.disable_dropout(model)
+        if trainable and cfg.enable_activation_checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        if not trainable:
+            model.eval()
+            model.requires_grad_(False)
+        return checkpointer, model
+
+    def _setup_loss(self, cfg_loss: DictConfig) -> Dict[str, float]:
+        # Accepts torchtune's `_component_: torchtune.rlhf.loss.PPOLoss` block or plain keys.
+        loss = config.instantiate(cfg_loss) if "_component_" in cfg_loss else cfg_loss
+        return {
+            "epsilon": float(loss.epsilon),
+            "value_clip_range": float(loss.value_clip_range),
+            "value_coeff": float(loss.value_coeff),
+        }
+
+    def _setup_data(self, cfg: DictConfig) -> Tuple[DistributedSampler, DataLoader]:
+        dataset = config.instantiate(cfg.dataset, tokenizer=self._tokenizer)
+        if len(dataset) < self._batch_size:
+            raise ValueError(
+                f"dataset has {len(dataset)} prompts, fewer than batch_size ({self._batch_size})."
+            )
+        sampler = DistributedSampler(
+            dataset, num_replicas=1, rank=0, shuffle=cfg.shuffle, seed=self.seed
+        )
+        collate = _PromptCollator(self._prompt_len, self._pad_id, cfg.long_prompts)
+        loader = DataLoader(
+            dataset, batch_size=self._batch_size, sampler=sampler, drop_last=True, collate_fn=collate
+        )
+        return sampler, loader
+
+    def generate_trajectory(self, prompts: torch.Tensor, timer: PhaseTimer) -> Trajectory:
+        """Steps 1-6 for ``prompts`` [B, P], in chunks of ``forward_batch_size``."""
+        chunks = prompts.split(self._forward_batch_size)
+        with timer("generate"):
+            outputs = [self._generator.generate(chunk, rng=self._rng) for chunk in chunks]
+        with timer("score"), torch.no_grad():
+            trajectories = [
+                self._score_trajectory(
+                    out.query_responses,
+                    out.logprobs,
+                    None,
+                    self._ref_policy_model,
+                    self._value_model,
+                    self._reward_fn,
+                    self._stop_token_ids,
+                    **self._traj_kwargs,
+                )
+                for out in outputs
+            ]
+        return Trajectory(*map(torch.cat, zip(*trajectories)))
+
+    def ppo_update(
+        self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor, timer: PhaseTimer
+    ) -> List[rlhf.PPOStats]:
+        """``ppo_epochs`` passes over shuffled minibatches, accumulating gradients per minibatch."""
+        stats = []
+        micro = self._ppo_batch_size // self._grad_accum
+        for _ in range(self._ppo_epochs):
+            order = torch.randperm(self._batch_size, device=self._device)
+            for minibatch in order.split(self._ppo_batch_size):
+                with timer("loss_step"):
+                    for idxs in minibatch.split(micro):
+                        stats.append(self._loss_and_backward(trajectory, advantages, returns, idxs))
+                with timer("optimizer"):
+                    if self._clip_grad_norm is not None:
+                        torch.nn.utils.clip_grad_norm_(
+                            chain(self._policy_model.parameters(), self._value_model.parameters()),
+                            max_norm=float(self._clip_grad_norm),
+                        )
+                    self._optimizer.step()
+                    self._optimizer.zero_grad(set_to_none=True)
+        return stats
+
+    def _loss_and_backward(
+        self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor, idxs: torch.Tensor
+    ) -> rlhf.PPOStats:
+        batch = Trajectory(*(t[idxs] for t in trajectory))
+        loss, stats = self._ppo_loss_step(
+            self._policy_model,
+            self._value_model,
+            batch.query_responses,
+            batch.masks,
+            batch.position_ids,
+            batch.response_padding_masks,
+            batch.logprobs,
+            batch.values,
+            advantages[idxs],
+            returns[idxs],
+            prompt_len=self._prompt_len,
+            temperature=self._temperature,
+            loss_scale=1.0 / self._grad_accum,
+            **self._loss_cfg,
+        )
+        loss.backward()
+        return stats
+
+    def train_step(self, prompts: torch.Tensor) -> Dict[str, float]:
+        """One PPO step on a batch of prompts; returns its metrics."""
+        timer = PhaseTimer(self._device)
+        trajectory = self.generate_trajectory(prompts, timer)
+        with timer("advantages"), torch.no_grad():
+            valid = ~trajectory.response_padding_masks
+            rewards, kl, kl_rewards = rlhf.get_rewards_ppo(
+                trajectory.scores,
+                trajectory.logprobs,
+                trajectory.ref_logprobs,
+                self._kl_coeff,
+                trajectory.seq_lens,
+                valid,
+            )
+            advantages, returns = rlhf.estimate_advantages(
+                trajectory.values, rewards, self._gamma, self._lmbda, valid
+            )
+        stats = self.ppo_update(trajectory, advantages, returns, timer)
+        return self._step_metrics(trajectory, stats, kl, kl_rewards, timer.times)
+
+    def _step_metrics(
+        self,
+        trajectory: Trajectory,
+        stats: List[rlhf.PPOStats],
+        kl: torch.Tensor,
+        kl_rewards: torch.Tensor,
+        times: Dict[str, float],
+    ) -> Dict[str, float]:
+        # Stats of one minibatch are summed over its micro-batches (each scaled by 1/grad_accum).
+        per_minibatch = rlhf.PPOStats(*(torch.stack(s) for s in zip(*stats)))
+        per_minibatch = rlhf.PPOStats(*(s.view(-1, self._grad_accum).sum(1) for s in per_minibatch))
+        b, s = trajectory.query_responses.shape
+        traj_time = times["generate"] + times["score"]
+        ppo_time = times["loss_step"] + times["optimizer"]
+        metrics = {
+            "scores": trajectory.scores.mean(),
+            "num_stop_tokens": trajectory.response_padding_masks.any(-1).sum(),
+            "rlhf_reward": trajectory.scores.mean() + kl_rewards.sum(1).mean(),
+            "kl": kl.sum(1).mean(),
+            "kl_reward": kl_rewards.sum(1).mean(),
+            "loss": per_minibatch.loss.mean(),
+            "policy_loss": per_minibatch.policy_loss.mean(),
+            "value_loss": per_minibatch.value_loss.mean(),
+            "clipfrac": per_minibatch.clipfrac.mean(),
+            "ratios": per_minibatch.ratios.mean(),
+            "approx_policy_kl": per_minibatch.approx_policy_kls.mean(),
+            "response_lengths": trajectory.seq_lens.float().mean(),
+            "lr": self._optimizer.param_groups[0]["lr"],
+            "tokens_per_second_per_gpu_trajectory": b * s / traj_time,
+            "tokens_per_second_per_gpu_ppo": self._ppo_epochs * b * s / ppo_time,
+            "generated_tokens_per_second": trajectory.seq_lens.sum() / times["generate"],
+            "prompts_truncated": self._collate_truncated,
+            "recompiles": self._recompiles.since_mark,
+        }
+        metrics.update({f"time/{k}": v for k, v in times.items()})
+        metrics["time/step"] = sum(times.values())
+        if self._log_peak_memory_stats:
+            metrics.update(training.get_memory_stats(device=self._device))
+        return {k: float(v) for k, v in metrics.items()}
+
+    def train(self) -> None:
+        pbar = tqdm(total=self._num_steps, initial=self.steps_run, desc="PPO", dynamic_ncols=True)
+        while self.steps_run < self._num_steps:
+            self._sampler.set_epoch(self.epochs_run)
+            for batch in self._dataloader:
+                self._collate_truncated = int(batch["num_truncated"])
+                metrics = self.train_step(batch["tokens"].to(self._device))
+                self.steps_run += 1
+                if self.steps_run == 1:
+                    self._recompiles.mark()  # everything after the first step must reuse its graphs
+                if self.steps_run % self._log_every_n_steps == 0:
+                    self._metric_logger.log_dict(metrics, step=self.steps_run)
+                pbar.update(1)
+                pbar.set_postfix(
+                    reward=f"{metrics['scores']:.3f}",
+                    kl=f"{metrics['kl']:.3f}",
+                    gen=f"{metrics['time/generate']:.2f}s",
+                    score=f"{metrics['time/score']:.2f}s",
+                    ppo=f"{metrics['time/loss_step'] + metrics['time/optimizer']:.2f}s",
+                )
+                if self._save_every_n_steps and self.steps_run % self._save_every_n_steps == 0:
+                    self.save_checkpoint(self.steps_run)
+                if self.steps_run == self._num_steps:
+                    break
+            else:
+                self.epochs_run += 1
+        pbar.close()
+        self.save_checkpoint(self.steps_run)
+
+    def save_checkpoint(self, step: int) -> None:
+        """Write the policy and value models in HF format to ``<output_dir>/{policy,value}/epoch_<step>``."""
+        for checkpointer, model in (
+            (self._policy_checkpointer, self._policy_model),
+            (self._value_checkpointer, self._value_model),
+        ):
+            state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            checkpointer.save_checkpoint({training.MODEL_KEY: state_dict}, epoch=step)
+
+    def cleanup(self) -> None:
+        self._metric_logger.close()
+
+
+class _PromptCollator:
+    """Picklable collate function for the DataLoader (see :func:`left_pad_prompts`)."""
+
+    def __init__(self, max_prompt_len: int, pad_id: int, long_prompts: str):
+        self.max_prompt_len, self.pad_id, self.long_prompts = max_prompt_len, pad_id, long_prompts
+
+    def __call__(self, batch):
+        return left_pad_prompts(
+            batch, max_prompt_len=self.max_prompt_len, pad_id=self.pad_id, long_prompts=self.long_prompts
+        )
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    cfg = validate_config(cfg)
+    config.log_config(recipe_name="PPOFullFinetuneRecipe", cfg=cfg)
+    recipe = PPOFullFinetuneRecipe(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
