@@ -1,0 +1,44 @@
+import pytest
+import torch
+from torchtune.models.llama2._component_builders import llama2, llama2_classifier
+
+VOCAB = 64
+PAD_ID = 0
+EOS_ID = 2
+
+
+def tiny_policy(seed: int = 0) -> torch.nn.Module:
+    """2-layer GQA llama (4 heads, 2 kv heads), random weights."""
+    torch.manual_seed(seed)
+    return llama2(
+        vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
+        max_seq_len=64, intermediate_dim=64,
+    )
+
+
+def tiny_classifier(seed: int = 1) -> torch.nn.Module:
+    """2-layer llama classifier with one output, random weights."""
+    torch.manual_seed(seed)
+    return llama2_classifier(
+        num_classes=1, vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2,
+        embed_dim=32, max_seq_len=64, intermediate_dim=64,
+    )
+
+
+def left_padded_prompts(lengths, prompt_len, seed=0):
+    """[len(lengths), prompt_len] prompts of the given real lengths, no pad/eos tokens inside."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.full((len(lengths), prompt_len), PAD_ID, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        if n:
+            out[i, prompt_len - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+    return out
+
+
+@pytest.fixture
+def models():
+    policy, ref = tiny_policy(0), tiny_policy(0)
+    value, reward = tiny_classifier(1), tiny_classifier(2)
+    for m in (ref, reward):
+        m.eval().requires_grad_(False)
+    return policy, ref, value, reward
