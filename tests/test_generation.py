@@ -1,0 +1,282 @@
+"""Tests for torchtune_ppo.generation: parity with torchtune and with full forwards, eager vs
+compiled, stop tokens, odd inputs, and zero recompiles across batches and training steps.
+
+Compiling costs 15-90 s per region on a small CPU runner, so all compiled tests share two
+module-scoped generators (greedy and sampling) on one model.
+"""
+
+
+import pytest
+import torch
+from torchtune import generation as tt_generation
+from torchtune.models.llama3_2._component_builders import llama3_2
+
+from torchtune_ppo.generation import GenerationOutput, Generator, sample
+
+VOCAB, P, T, BATCH, PAD = 128, 10, 12, 4, 0
+SAMPLING = dict(temperature=0.7, top_k=40, top_p=0.9)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls gain nothing from a second OpenMP thread, and on a shared 2-core runner an
+    # oversubscribed OpenMP pool is 100x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = llama3_2(
+        vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64,
+        max_seq_len=64, intermediate_dim=128,
+    )
+    # The output is tied to std-1 embeddings, which makes every distribution one-hot; scaled
+    # down, next-token entropy is ~3.4 nats, so sampling has something to sample.
+    with torch.no_grad():
+        model.tok_embeddings.weight.mul_(0.15)
+    return model
+
+
+def left_padded(lengths, seed: int = 0) -> torch.Tensor:
+    """[len(lengths), P] prompts of the given real lengths, left-padded with PAD."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(1, VOCAB, (len(lengths), P), generator=g)
+    for row, n in enumerate(lengths):
+        prompts[row, : P - n] = PAD
+    return prompts
+
+
+def full_forward_logprobs(model, out: GenerationOutput, prompts, temperature) -> torch.Tensor:
+    """[b, T] logprobs of the responses from one no-cache forward over the whole sequence."""
+    qr = out.query_responses
+    real = torch.cat([prompts != PAD, torch.ones(qr.shape[0], T, dtype=torch.bool)], dim=1)
+    mask = tt_generation.get_causal_mask_from_padding_mask(real)
+    input_pos = tt_generation.get_position_ids_from_padding_mask(real)
+    with torch.no_grad():
+        logits = model(qr, input_pos=input_pos, mask=mask)[:, P - 1 : -1]
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logprobs.gather(-1, qr[:, P:, None])[..., 0]
+
+
+def up_to_stop(responses: torch.Tensor, stop_ids) -> torch.Tensor:
+    """[b, T] bool: response positions up to and including the first stop token."""
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, dtype=responses.dtype))
+    return (is_stop.cumsum(-1) - is_stop.long()) == 0
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def greedy_compiled(model):
+    return Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T,
+                     pad_id=PAD, stop_token_ids=[], top_k=1, compile=True)
+
+
+@pytest.fixture(scope="module")
+def sampling_compiled(model):
+    return Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T,
+                     pad_id=PAD, stop_token_ids=[5, 17], compile=True, stop_check_every=4,
+                     **SAMPLING)
+
+
+@pytest.fixture(scope="module")
+def sampling_eager(model):
+    return Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T,
+                     pad_id=PAD, stop_token_ids=[5, 17], stop_check_every=4, **SAMPLING)
+
+
+def test_sample_hand_worked():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(4000, 4)
+    noise = torch.empty(4000, 4).exponential_(generator=torch.Generator().manual_seed(0))
+    token, logprob = sample(logits, noise, top_p=0.7)  # nucleus {0, 1}
+    assert set(token.tolist()) == {0, 1}
+    assert abs((token == 0).float().mean().item() - 0.5 / 0.8) < 0.03
+    torch.testing.assert_close(logprob, probs.log()[token], rtol=0, atol=1e-6)
+    token, _ = sample(logits, noise[:, :3], top_k=3)  # k-wide noise
+    assert set(token.tolist()) == {0, 1, 2}
+    token, _ = sample(logits, noise[:, :3], top_k=3, top_p=0.6)  # {.53, .32, .16}: {0, 1}
+    assert set(token.tolist()) == {0, 1}
+    token, _ = sample(logits, noise[:, :2], top_k=2, top_p=0.55)  # top-p of {.625, .375}
+    assert set(token.tolist()) == {0}
+    token, logprob = sample(logits[:2] * 3, None, temperature=3.0, top_k=1)
+    assert token.tolist() == [0, 0]
+    torch.testing.assert_close(logprob, probs.log()[[0, 0]], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_greedy_matches_torchtune(model, greedy_compiled, compiled):
+    gen = greedy_compiled if compiled else Generator(
+        model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD,
+        stop_token_ids=[], top_k=1,
+    )
+    prompts = left_padded([P, 4, 7])  # one full-length row, b < batch_size
+    out = gen.generate(prompts)
+    expected, _ = tt_generation.generate(
+        model, prompts, max_generated_tokens=T, pad_id=PAD, top_k=1
+    )
+    assert out.query_responses.shape == (3, P + T) and out.query_responses.dtype == torch.long
+    torch.testing.assert_close(out.query_responses, expected.long(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        out.logprobs, full_forward_logprobs(model, out, prompts, 1.0), rtol=0, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_logprobs_match_full_forward(model, sampling_eager, sampling_compiled, compiled):
+    gen = sampling_compiled if compiled else sampling_eager
+    prompts = left_padded([3, P, 1, 6], seed=1)
+    out = gen.generate(prompts, rng=torch.Generator().manual_seed(0))
+    assert out.logits is None and out.logprobs.dtype == torch.float32
+    valid = up_to_stop(out.query_responses[:, P:], gen.stop_token_ids)
+    reference = full_forward_logprobs(model, out, prompts, SAMPLING["temperature"])
+    torch.testing.assert_close(out.logprobs[valid], reference[valid], rtol=0, atol=1e-5)
+    assert torch.isfinite(out.logprobs).all()
+
+
+def test_return_logits(model, sampling_eager):
+    prompts = left_padded([5, 2], seed=2)
+    out = sampling_eager.generate(prompts, rng=torch.Generator().manual_seed(0),
+                                  return_logits=True)
+    assert out.logits.shape == (2, T, VOCAB)
+    valid = up_to_stop(out.query_responses[:, P:], sampling_eager.stop_token_ids)
+    from_logits = torch.log_softmax(out.logits / SAMPLING["temperature"], dim=-1)
+    from_logits = from_logits.gather(-1, out.query_responses[:, P:, None])[..., 0]
+    torch.testing.assert_close(out.logprobs[valid], from_logits[valid], rtol=0, atol=1e-6)
+
+
+def test_seeded_sampling(model):
+    gen = Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T,
+                    pad_id=PAD, stop_token_ids=[], temperature=1.0, top_k=50, top_p=0.95)
+    prompts = left_padded([P, 4, 8, 2], seed=3)
+    a = gen.generate(prompts, rng=torch.Generator().manual_seed(7))
+    b = gen.generate(prompts, rng=torch.Generator().manual_seed(7))
+    c = gen.generate(prompts, rng=torch.Generator().manual_seed(8))
+    assert torch.equal(a.query_responses, b.query_responses)
+    assert torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.query_responses, c.query_responses)
+
+
+def test_eager_and_compiled_agree(sampling_eager, sampling_compiled):
+    prompts = left_padded([2, 9, P], seed=4)
+    eager = sampling_eager.generate(prompts, rng=torch.Generator().manual_seed(3))
+    compiled = sampling_compiled.generate(prompts, rng=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(compiled.query_responses, eager.query_responses, rtol=0, atol=0)
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=0, atol=1e-5)
+
+
+def test_stop_tokens_pad_after_first_stop(model):
+    kwargs = dict(batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD,
+                  top_k=1)
+    prompts = left_padded([P, 3, 6, 8], seed=5)
+    free = Generator(model, stop_token_ids=[], **kwargs).generate(prompts)
+    stop = int(free.query_responses[0, P + 3])  # row 0 stops at response index <= 3
+    out = Generator(model, stop_token_ids=[stop], **kwargs).generate(prompts)
+    assert out.query_responses.shape == (4, P + T)
+    keep = up_to_stop(free.query_responses[:, P:], [stop])
+    expected = torch.where(keep, free.query_responses[:, P:], PAD)
+    torch.testing.assert_close(out.query_responses[:, P:], expected, rtol=0, atol=0)
+    torch.testing.assert_close(out.query_responses[:, :P], prompts, rtol=0, atol=0)
+    assert not keep[0, 4:].any()  # the stop token itself is kept, then padding
+
+
+def test_early_exit_when_all_rows_stop(model):
+    gen = Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T,
+                    pad_id=PAD, stop_token_ids=range(VOCAB), stop_check_every=2)
+    calls = []
+    decode = gen._decode
+    gen._decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
+    out = gen.generate(left_padded([4, 5], seed=6), rng=torch.Generator().manual_seed(0))
+    assert len(calls) == 1  # step 1 runs, step 2 checks and stops
+    assert out.query_responses.shape == (2, P + T)
+    assert (out.query_responses[:, P + 1 :] == PAD).all()
+    assert torch.isfinite(out.logprobs).all()
+
+
+def test_all_pad_row_is_finite_and_isolated(model):
+    gen = Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T,
+                    pad_id=PAD, stop_token_ids=[], top_k=1)
+    prompts = left_padded([6, 3, P], seed=7)
+    with_pad_row = prompts.clone()
+    with_pad_row[1] = PAD
+    a, b = gen.generate(prompts), gen.generate(with_pad_row)
+    assert torch.isfinite(b.logprobs).all()
+    for row in (0, 2):
+        assert torch.equal(a.query_responses[row], b.query_responses[row])
+        torch.testing.assert_close(a.logprobs[row], b.logprobs[row], rtol=0, atol=1e-6)
+
+
+def test_single_generated_token(model):
+    gen = Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=1,
+                    pad_id=PAD, stop_token_ids=[3], top_k=1)
+    prompts = left_padded([P, 2], seed=8)
+    out = gen.generate(prompts)
+    expected, _ = tt_generation.generate(model, prompts, max_generated_tokens=1, pad_id=PAD,
+                                         top_k=1)
+    assert out.query_responses.shape == (2, P + 1) and out.logprobs.shape == (2, 1)
+    torch.testing.assert_close(out.query_responses, expected.long(), rtol=0, atol=0)
+
+
+def test_model_left_cache_free_and_mode_restored(model, sampling_eager):
+    model.train()
+    sampling_eager.generate(left_padded([4], seed=9), rng=torch.Generator().manual_seed(0))
+    assert model.training and all(m.training for m in model.modules())
+    assert not model.caches_are_enabled() and not model.caches_are_setup()
+    # With no cache attached, mask=None means causal again (torchtune drops is_causal whenever
+    # a cache is set up).
+    tokens = left_padded([P], seed=9)
+    causal = torch.tril(torch.ones(P, P, dtype=torch.bool))[None]
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), model(tokens, mask=causal), rtol=0, atol=1e-6)
+
+
+def test_invalid_arguments(model, sampling_eager):
+    for bad in (torch.zeros(P, dtype=torch.long), torch.zeros(2, P + 1, dtype=torch.long),
+                torch.zeros(BATCH + 1, P, dtype=torch.long), torch.zeros(0, P, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"prompts must have shape \[b, max_prompt_len\]"):
+            sampling_eager.generate(bad)
+    with pytest.raises(ValueError, match="prompts must be int64"):
+        sampling_eager.generate(torch.zeros(2, P))
+    for kwargs, name in ((dict(temperature=0.0), "temperature"), (dict(top_p=1.5), "top_p"),
+                         (dict(top_k=0), "top_k"), (dict(max_generated_tokens=60), "max_seq_len"),
+                         (dict(stop_token_ids=[VOCAB]), "stop_token_ids")):
+        args = dict(batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD,
+                    stop_token_ids=[])
+        with pytest.raises(ValueError, match=name):
+            Generator(model, **{**args, **kwargs})
+
+
+def test_zero_recompiles_across_batches_and_training(model, sampling_eager, sampling_compiled):
+    from torch._dynamo.utils import counters
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def train_step():
+        # Full-sequence forward on the cache-free model, backward, SGD step.
+        model.train()
+        tokens = torch.randint(1, VOCAB, (BATCH, P + T))
+        loss = torch.log_softmax(model(tokens), -1)[..., 0].mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    sampling_compiled.generate(left_padded([P, 1], seed=10), rng=torch.Generator().manual_seed(0))
+    graphs = counters["stats"]["unique_graphs"]
+    batches = [[P, 1, 5, 7], [2, 2, 3, 9], [P, P, P, P], [1, 4], [6, 8, 3, 1]]  # one short batch
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed, lengths in enumerate(batches):
+            train_step()
+            prompts = left_padded(lengths, seed=20 + seed)
+            out = sampling_compiled.generate(prompts, rng=torch.Generator().manual_seed(seed))
+            assert out.query_responses.shape == (len(lengths), P + T)
+    assert counters["stats"]["unique_graphs"] == graphs
+    # Still the eager twin's tokens after five optimizer steps.
+    eager = sampling_eager.generate(prompts, rng=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(out.query_responses, eager.query_responses, rtol=0, atol=0)
+    torch.testing.assert_close(out.logprobs, eager.logprobs, rtol=0, atol=1e-5)
