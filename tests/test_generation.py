@@ -187,14 +187,21 @@ def test_stop_tokens_pad_after_first_stop(model):
 
 
 def test_early_exit_when_all_rows_stop(model):
-    gen = Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T,
-                    pad_id=PAD, stop_token_ids=range(VOCAB), stop_check_every=2)
+    kwargs = dict(batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD,
+                  top_k=1)
+    prompts = left_padded([4, 5], seed=6)  # b < batch_size: two all-pad filler rows
+    firsts = Generator(model, stop_token_ids=[], **kwargs).generate(prompts).query_responses[:, P]
+    filler = Generator(model, stop_token_ids=[], **kwargs).generate(
+        torch.full((1, P), PAD)).query_responses[0, P]
+    assert filler not in firsts  # so the filler rows never stop
+    gen = Generator(model, stop_token_ids=firsts.tolist(), stop_check_every=2, **kwargs)
     calls = []
     decode = gen._decode
     gen._decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
-    out = gen.generate(left_padded([4, 5], seed=6), rng=torch.Generator().manual_seed(0))
-    assert len(calls) == 1  # step 1 runs, step 2 checks and stops
+    out = gen.generate(prompts)
+    assert len(calls) == 1  # step 1 runs, step 2 checks the real rows and stops
     assert out.query_responses.shape == (2, P + T)
+    assert torch.equal(out.query_responses[:, P], firsts)
     assert (out.query_responses[:, P + 1 :] == PAD).all()
     assert torch.isfinite(out.logprobs).all()
 
