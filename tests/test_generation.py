@@ -243,6 +243,20 @@ def test_model_left_cache_free_and_mode_restored(model, sampling_eager):
         torch.testing.assert_close(model(tokens), model(tokens, mask=causal), rtol=0, atol=1e-6)
 
 
+def test_chunked_output_model(model, sampling_eager):
+    # A policy set up for chunked cross-entropy still generates, and keeps its setting.
+    prompts = left_padded([4, 7], seed=11)
+    rng = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    plain = sampling_eager.generate(prompts, rng=rng())
+    model.set_num_output_chunks(2)
+    try:
+        chunked = sampling_eager.generate(prompts, rng=rng())
+        assert model.num_output_chunks == 2
+    finally:
+        model.set_num_output_chunks(0)
+    assert torch.equal(plain.query_responses, chunked.query_responses)
+
+
 def test_invalid_arguments(model, sampling_eager):
     for bad in (torch.zeros(P, dtype=torch.long), torch.zeros(2, P + 1, dtype=torch.long),
                 torch.zeros(BATCH + 1, P, dtype=torch.long), torch.zeros(0, P, dtype=torch.long)):

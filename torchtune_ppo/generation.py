@@ -18,7 +18,7 @@ first real token, as in :func:`torchtune.generation.get_position_ids_from_paddin
 import contextlib
 import inspect
 import warnings
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -31,6 +31,13 @@ from torchtune_ppo._compile import maybe_compile
 _HAS_SKIP_GUARD_EVAL = "skip_guard_eval_unsafe" in inspect.signature(
     torch.compiler.set_stance
 ).parameters
+
+def _stance() -> str:
+    """The current ``torch.compiler.set_stance`` stance (a user's "force_eager" is kept)."""
+    return getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default")
+
+
+_NO_HIDDEN_STATES: List[int] = []  # one object, so guards on it never change
 
 __all__ = ["GenerationOutput", "Generator", "generate_next_token", "prefill", "sample"]
 
@@ -235,8 +242,9 @@ class Generator:
         top_k (Optional[int]): top-k filtering; 1 gives greedy decoding.
         top_p (Optional[float]): nucleus filtering, in (0, 1].
         compile (bool): compile the prefill and decode step.
-        compile_mode (str): ``torch.compile`` mode. ``"reduce-overhead"`` applies to the decode
-            step only (CUDA graphs); the prefill, run once per batch, uses the default mode.
+        compile_mode (str): ``torch.compile`` mode. CUDA graphs (``"reduce-overhead"``,
+            ``"max-autotune"``) apply to the decode step only; the prefill, run once per batch,
+            is compiled without them.
         stop_check_every (int): decode steps between the host syncs that stop the loop early
             once every row is done.
         dtype (Optional[torch.dtype]): KV cache dtype; defaults to the model's.
@@ -285,11 +293,15 @@ class Generator:
         self._noise_width = top_k if top_k is not None else self.vocab_size
 
         self._skip_guards = compile and _HAS_SKIP_GUARD_EVAL
-        self._cudagraphs = compile and compile_mode == "reduce-overhead" and self.device.type == "cuda"
-        if compile and compile_mode == "reduce-overhead" and self.device.type != "cuda":
-            warnings.warn("compile_mode='reduce-overhead' uses CUDA graphs, which need a CUDA device; "
-                          "on {} the decode step is compiled without them.".format(self.device.type))
-        prefill_mode = "default" if compile_mode == "reduce-overhead" else compile_mode
+        graphs_mode = compile and compile_mode in ("reduce-overhead", "max-autotune")
+        self._cudagraphs = graphs_mode and self.device.type == "cuda"
+        if graphs_mode and self.device.type != "cuda":
+            warnings.warn(f"compile_mode={compile_mode!r} uses CUDA graphs, which need a CUDA "
+                          f"device; on {self.device.type} the steps run without them.")
+        # CUDA graphs pay off for the decode step, run T - 1 times per batch, not the prefill.
+        prefill_mode = {
+            "reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"
+        }.get(compile_mode, compile_mode)
         self._prefill = maybe_compile(prefill, enabled=compile, mode=prefill_mode, fullgraph=True)
         self._decode = maybe_compile(
             generate_next_token, enabled=compile, mode=compile_mode, fullgraph=True
@@ -323,7 +335,8 @@ class Generator:
         bad = [t for t in self.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
-                f"Generator: stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})."
+                f"Generator: stop_token_ids {bad} are outside the vocabulary "
+                f"[0, {self.vocab_size})."
             )
 
     def _setup_caches(self) -> None:
@@ -342,6 +355,9 @@ class Generator:
         self._detach_caches()
 
     def _attach_caches(self) -> None:
+        # Plain [B, s, V] logits from forward: no chunked output (a graph break), no hidden states.
+        self._output_settings = (self.model.num_output_chunks, self.model.output_hidden_states)
+        self.model.num_output_chunks, self.model.output_hidden_states = 0, _NO_HIDDEN_STATES
         for attn, cache in zip(self._attn, self._caches):
             attn.kv_cache = cache
             attn.cache_enabled = True
@@ -353,6 +369,8 @@ class Generator:
             attn.cache_enabled = False
             attn.kv_cache = None
             attn._attention_call = sdpa
+        if hasattr(self, "_output_settings"):
+            self.model.num_output_chunks, self.model.output_hidden_states = self._output_settings
 
     def _setup_buffers(self) -> None:
         B, P, T = self.batch_size, self.max_prompt_len, self.max_generated_tokens
@@ -383,14 +401,17 @@ class Generator:
             or prompts.shape[1] != P
             or not 1 <= prompts.shape[0] <= self.batch_size
         ):
-            got = tuple(prompts.shape) if isinstance(prompts, torch.Tensor) else type(prompts).__name__
+            got = (tuple(prompts.shape) if isinstance(prompts, torch.Tensor)
+                   else type(prompts).__name__)
             raise ValueError(
                 f"generate: prompts must have shape [b, max_prompt_len] = [b, {P}] with "
                 f"1 <= b <= batch_size={self.batch_size}, left-padded with pad_id={self.pad_id}; "
                 f"got {got}."
             )
         if prompts.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"generate: prompts must be int64 token ids; got dtype {prompts.dtype}.")
+            raise ValueError(
+                f"generate: prompts must be int64 (or int32) token ids; got dtype {prompts.dtype}."
+            )
         if rng is not None and rng.device.type != self.device.type:
             raise ValueError(
                 f"generate: rng is a {rng.device} generator but the model is on {self.device}."
@@ -454,7 +475,7 @@ class Generator:
             self._detach_caches()
             for m, training in modes:
                 m.training = training
-        query_responses = torch.cat([prompts[:b].to(self.device, torch.long), responses[:b]], dim=1)
+        query_responses = torch.cat([prompts.to(self.device, torch.long), responses[:b]], dim=1)
         return GenerationOutput(
             query_responses, logprobs[:b], None if logits is None else logits[:b]
         )
@@ -478,7 +499,7 @@ class Generator:
             for i in range(1, T):
                 if self.stop_token_ids and i % self.stop_check_every == 0 and self._all_done(b, i):
                     break
-                if i == 2 and self._skip_guards:
+                if i == 2 and self._skip_guards and _stance() == "default":
                     # Step 1 ran the full guard check; nothing the guards cover changes
                     # inside this loop, and evaluating them costs ~0.2 ms a step on CPU.
                     stack.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=True))

@@ -1,0 +1,324 @@
+"""Generation benchmark: torchtune's ``generate`` (no cache, KV cache, compiled decode step)
+against ``torchtune_ppo.generation.Generator`` (eager, compiled), on one random-weight model.
+
+Each variant generates the same left-padded batch with the same sampling settings and no stop
+tokens (every row runs the full length). Reported apart, as medians over ``--repeats`` calls
+after warm-up: prefill time (the prompt forward and the first sampled token), decode
+tokens/s (the other ``T - 1`` tokens of every row), the whole call, and the first call, which
+holds the compile time of compiled variants.
+
+    python benchmarks/bench_generation.py                     # demo-size model, CPU, fp32
+    python benchmarks/bench_generation.py --llama-1b --device cuda --out gen.json
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from contextlib import nullcontext
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch._inductor.config
+import torchtune.generation._generation as tt_gen
+from torchtune.models.llama2._component_builders import llama2
+from torchtune.models.llama3_2._component_builders import llama3_2
+from torchtune.modules import local_kv_cache
+
+from torchtune_ppo.generation import Generator
+
+PAD = 0
+TOP_K = 50
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class PrefillClock:
+    """Wraps a prefill function: syncs and stamps the time when the first call of a run ends."""
+
+    def __init__(self, fn: Callable, device: torch.device) -> None:
+        self.fn, self.device, self.stamp = fn, device, None
+
+    def __call__(self, *args, **kwargs):
+        out = self.fn(*args, **kwargs)
+        if self.stamp is None:
+            sync(self.device)
+            self.stamp = time.perf_counter()
+        return out
+
+
+def build_model(args) -> torch.nn.Module:
+    torch.manual_seed(0)
+    max_seq_len = args.prompt_len + args.gen_len
+    with torch.device(args.device):
+        if args.llama_1b:
+            model = llama3_2(vocab_size=128_256, num_layers=16, num_heads=32, num_kv_heads=8,
+                             embed_dim=2048, max_seq_len=max_seq_len, intermediate_dim=8192)
+        else:
+            model = llama2(vocab_size=args.vocab, num_layers=args.layers, num_heads=args.heads,
+                           num_kv_heads=args.kv_heads, embed_dim=args.dim,
+                           max_seq_len=max_seq_len, intermediate_dim=args.intermediate)
+    return model.to(args.dtype).eval()
+
+
+def make_prompts(args) -> torch.Tensor:
+    """[batch, prompt_len] random prompts, left-padded to real lengths spread over 1..P."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, args.vocab, (args.batch, args.prompt_len), generator=g)
+    lengths = torch.linspace(1, args.prompt_len, args.batch).round().long()
+    for row, n in enumerate(lengths.tolist()):
+        prompts[row, : args.prompt_len - n] = PAD
+    return prompts.to(args.device)
+
+
+def torchtune_runner(model, args, *, kv_cache: bool, compiled: bool) -> Callable:
+    """One torchtune ``generate`` call, the way its PPO and generate recipes make it."""
+    decode = None
+    if compiled:
+        # As recipes/generate.py does: compile generate_next_token, prefill stays eager.
+        kwargs = {} if args.compile_mode == "default" else {"mode": args.compile_mode}
+        decode = torch.compile(tt_gen.generate_next_token, fullgraph=True, **kwargs)
+
+    def run(prompts, rng, clock):
+        ctx = local_kv_cache(model, batch_size=args.batch, device=torch.device(args.device),
+                             dtype=args.dtype,
+                             decoder_max_seq_len=args.prompt_len + args.gen_len) if kv_cache \
+            else nullcontext()
+        original = tt_gen.generate_next_token
+        tt_gen.generate_next_token = clock  # torchtune's prefill calls the module-level name
+        clock.fn = original
+        try:
+            with ctx:
+                tokens, _ = tt_gen.generate(
+                    model, prompts, max_generated_tokens=args.gen_len, pad_id=PAD,
+                    temperature=1.0, top_k=TOP_K, rng=rng, custom_generate_next_token=decode)
+        finally:
+            tt_gen.generate_next_token = original
+        return tokens
+
+    return run
+
+
+def ours_runner(model, args, *, compiled: bool) -> Callable:
+    gen = Generator(model, batch_size=args.batch, max_prompt_len=args.prompt_len,
+                    max_generated_tokens=args.gen_len, pad_id=PAD, stop_token_ids=[],
+                    temperature=1.0, top_k=TOP_K, compile=compiled,
+                    compile_mode=args.compile_mode, dtype=args.dtype,
+                    device=torch.device(args.device))
+    prefill = gen._prefill
+
+    def run(prompts, rng, clock):
+        clock.fn = prefill
+        gen._prefill = clock
+        try:
+            return gen.generate(prompts, rng=rng).query_responses
+        finally:
+            gen._prefill = prefill
+
+    run.generator = gen
+    return run
+
+
+def timed_call(run: Callable, prompts, seed: int, device: torch.device):
+    """(prefill seconds, whole-call seconds) of one call, device synced around it."""
+    rng = torch.Generator(device=device).manual_seed(seed)
+    clock = PrefillClock(None, device)
+    sync(device)
+    start = time.perf_counter()
+    run(prompts, rng, clock)
+    sync(device)
+    return clock.stamp - start, time.perf_counter() - start
+
+
+def measure(runs: Dict[str, Callable], prompts, args) -> List[Dict]:
+    """Warm-up calls per variant, then timed rounds over all variants in turn (so a change in
+    machine load hits every variant alike); medians per variant."""
+    device = torch.device(args.device)
+    first, times = {}, {name: [] for name in runs}
+    for name, run in runs.items():
+        first[name] = timed_call(run, prompts, 0, device)[1]
+        for i in range(1, args.warmup):
+            timed_call(run, prompts, i, device)
+        print(f"{name}: warm, first call {first[name]:.2f} s", flush=True)
+    graphs_after_warmup = graphs_compiled()
+    for r in range(args.repeats):
+        for name, run in runs.items():
+            times[name].append(timed_call(run, prompts, args.warmup + r, device))
+    recompiles = graphs_compiled() - graphs_after_warmup
+    rows = []
+    for name in runs:
+        prefill = statistics.median(t[0] for t in times[name])
+        total = statistics.median(t[1] for t in times[name])
+        decode = statistics.median(t[1] - t[0] for t in times[name])
+        rows.append({
+            "name": name,
+            "prefill_ms": 1e3 * prefill,
+            "decode_tok_s": args.batch * (args.gen_len - 1) / decode if args.gen_len > 1
+            else float("nan"),
+            "total_ms": 1e3 * total,
+            "tok_s": args.batch * args.gen_len / total,
+            "first_call_s": first[name],
+            "compile_s": first[name] - total,
+        })
+    return rows, recompiles
+
+
+def bandwidth_floor(model, args) -> Optional[Dict[str, float]]:
+    """Decode tokens/s if a step only had to read the weights and the KV cache once (CUDA)."""
+    if torch.device(args.device).type != "cuda":
+        return None
+    n = 1 << 28  # 1 GiB of fp32
+    src = torch.empty(n, device=args.device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(torch.device(args.device))
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync(torch.device(args.device))
+    bandwidth = 10 * 2 * src.numel() * src.element_size() / (time.perf_counter() - start)
+    del src, dst
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    layer = model.layers[0].attn
+    seq = args.prompt_len + args.gen_len
+    kv_bytes = (2 * len(model.layers) * args.batch * layer.num_kv_heads * seq * layer.head_dim
+                * torch.finfo(args.dtype).bits // 8)
+    step_s = (weight_bytes + kv_bytes) / bandwidth
+    return {"bandwidth_GBs": bandwidth / 1e9, "weight_GB": weight_bytes / 1e9,
+            "kv_GB": kv_bytes / 1e9, "floor_step_ms": 1e3 * step_s,
+            "floor_decode_tok_s": args.batch / step_s}
+
+
+def hardware(args) -> str:
+    if torch.device(args.device).type == "cuda":
+        return torch.cuda.get_device_name(args.device)
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        name = next(l.split(":", 1)[1].strip() for l in out.splitlines() if "Model name" in l)
+    except (OSError, StopIteration):
+        name = platform.processor() or "unknown CPU"
+    return f"{name}, {torch.get_num_threads()} threads"
+
+
+def table(rows: List[Dict], baseline: str) -> str:
+    base = rows_by_name(rows)[baseline]
+    lines = [
+        "| variant | prefill (ms) | decode (tok/s) | whole call (ms) | first call (s) "
+        "| whole call vs " + baseline + " | decode vs " + baseline + " |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {r['prefill_ms']:.2f} | {r['decode_tok_s']:.0f} "
+            f"| {r['total_ms']:.2f} | {r['first_call_s']:.2f} "
+            f"| {base['total_ms'] / r['total_ms']:.2f}x "
+            f"| {r['decode_tok_s'] / base['decode_tok_s']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def rows_by_name(rows):
+    return {r["name"]: r for r in rows}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls; the first compiles")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None,
+                   help="float32 | bfloat16 (default: fp32, bf16 for --llama-1b)")
+    p.add_argument("--compile-mode", default="default")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
+    p.add_argument("--cpp-wrapper", action="store_true",
+                   help="inductor cpp_wrapper for every compiled variant (less Python per call)")
+    p.add_argument("--llama-1b", action="store_true",
+                   help="Llama-3.2-1B dims, random weights, bf16")
+    p.add_argument("--variants", default="tt,tt-kv,tt-kv-compiled,ours,ours-compiled",
+                   help="comma-separated subset of: tt, tt-kv, tt-kv-compiled, ours, ours-compiled")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args()
+    if args.llama_1b:
+        args.vocab = 128_256
+    args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.llama_1b else "float32"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpp_wrapper:
+        # The generated code calls its kernels from C++ rather than Python, which matters on
+        # CPU where a decode step is ~50 small kernels (see RESULTS.md). Applies to every
+        # compiled variant, torchtune's included.
+        torch._inductor.config.cpp_wrapper = True
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    model = build_model(args)
+    prompts = make_prompts(args)
+    variants = {  # key: (table name, runner factory)
+        "tt": ("torchtune generate, no cache",
+               lambda: torchtune_runner(model, args, kv_cache=False, compiled=False)),
+        "tt-kv": ("torchtune generate, KV cache",
+                  lambda: torchtune_runner(model, args, kv_cache=True, compiled=False)),
+        "tt-kv-compiled": ("torchtune generate, KV cache, compiled generate_next_token",
+                           lambda: torchtune_runner(model, args, kv_cache=True, compiled=True)),
+        "ours": ("Generator, eager", lambda: ours_runner(model, args, compiled=False)),
+        "ours-compiled": ("Generator, compiled", lambda: ours_runner(model, args, compiled=True)),
+    }
+    keys = [k.strip() for k in args.variants.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in variants]
+    if unknown:
+        raise ValueError(f"--variants: unknown {unknown}; valid: {list(variants)}")
+    runs = {variants[k][0]: variants[k][1]() for k in keys}
+    rows, recompiles = measure(runs, prompts, args)
+    torchtune_rows = [r for r in rows if r["name"].startswith("torchtune")]
+    baseline = min(torchtune_rows, key=lambda r: r["total_ms"])["name"] if torchtune_rows \
+        else rows[0]["name"]
+    report = {
+        "hardware": hardware(args),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "config": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items()},
+        "rows": rows,
+        "recompiles_after_warmup": recompiles,
+        "baseline": baseline,
+        "bandwidth_floor": bandwidth_floor(model, args),
+    }
+    print()
+    print(f"{report['hardware']}; torch {report['torch']}; batch {args.batch}, prompt "
+          f"{args.prompt_len}, {args.gen_len} generated tokens, {args.dtype}, top_k {TOP_K}"
+          f"{', inductor cpp_wrapper' if args.cpp_wrapper else ''}")
+    print(table(rows, baseline))
+    print(f"\nGraphs compiled during the timed rounds (all variants): {recompiles}")
+    if report["bandwidth_floor"]:
+        f = report["bandwidth_floor"]
+        print(f"\nMemory-bandwidth floor: {f['bandwidth_GBs']:.0f} GB/s measured copy; "
+              f"{f['weight_GB']:.2f} GB weights + {f['kv_GB']:.3f} GB KV per step -> "
+              f"{f['floor_step_ms']:.2f} ms/step, {f['floor_decode_tok_s']:.0f} decode tok/s")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
