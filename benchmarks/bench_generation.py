@@ -174,6 +174,36 @@ def measure(runs: Dict[str, Callable], prompts, args) -> List[Dict]:
     return rows, recompiles
 
 
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
+
+
+def profile_calls(runs: Dict[str, Callable], prompts, args, top: int = 12) -> Dict[str, Dict]:
+    """torch.profiler over one call per variant: self time of the top ops, and the GEMM share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(args.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    report = {}
+    for name, run in runs.items():
+        with profile(activities=activities) as prof:
+            timed_call(run, prompts, 0, device)
+        events = prof.key_averages()
+        attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        total = sum(getattr(e, attr) for e in events)
+        gemm = sum(getattr(e, attr) for e in events if e.key in GEMM_OPS)
+        ranked = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:top]
+        report[name] = {
+            "total_ms": total / 1e3,
+            "gemm_share": gemm / total if total else float("nan"),
+            "top": [{"op": e.key[:70], "ms": getattr(e, attr) / 1e3, "calls": e.count}
+                    for e in ranked],
+        }
+        print(f"\n{name}: profiled {total / 1e3:.1f} ms self time, GEMM {100 * gemm / total:.0f}%")
+        for e in report[name]["top"]:
+            print(f"  {e['ms']:8.2f} ms  {e['calls']:5d} calls  {e['op']}")
+    return report
+
+
 def bandwidth_floor(model, args) -> Optional[Dict[str, float]]:
     """Decode tokens/s if a step only had to read the weights and the KV cache once (CUDA)."""
     if torch.device(args.device).type != "cuda":
@@ -214,8 +244,10 @@ def hardware(args) -> str:
 def table(rows: List[Dict], baseline: str) -> str:
     base = rows_by_name(rows)[baseline]
     lines = [
+        f"Speed-ups against the fastest torchtune variant ({baseline}).",
+        "",
         "| variant | prefill (ms) | decode (tok/s) | whole call (ms) | first call (s) "
-        "| whole call vs " + baseline + " | decode vs " + baseline + " |",
+        "| speed-up, whole call | speed-up, decode |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -256,6 +288,8 @@ def parse_args() -> argparse.Namespace:
                    help="Llama-3.2-1B dims, random weights, bf16")
     p.add_argument("--variants", default="tt,tt-kv,tt-kv-compiled,ours,ours-compiled",
                    help="comma-separated subset of: tt, tt-kv, tt-kv-compiled, ours, ours-compiled")
+    p.add_argument("--profile", action="store_true",
+                   help="also run torch.profiler over one call per variant and print the top ops")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     if args.llama_1b:
@@ -315,6 +349,8 @@ def main() -> None:
         print(f"\nMemory-bandwidth floor: {f['bandwidth_GBs']:.0f} GB/s measured copy; "
               f"{f['weight_GB']:.2f} GB weights + {f['kv_GB']:.3f} GB KV per step -> "
               f"{f['floor_step_ms']:.2f} ms/step, {f['floor_decode_tok_s']:.0f} decode tok/s")
+    if args.profile:
+        report["profile"] = profile_calls(runs, prompts, args)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=2)
