@@ -78,8 +78,8 @@ def sample(
             Exponential(1) draws. Unused (may be None) when ``top_k == 1``.
         temperature (float): logits are divided by it; must be > 0.
         top_k (Optional[int]): sample among the ``top_k`` largest logits; 1 is greedy argmax.
-        top_p (Optional[float]): then keep the smallest set of tokens whose probability sums
-            to at least ``top_p``.
+        top_p (Optional[float]): then keep the smallest set of tokens whose probability
+            (renormalised over the top-k, when set) sums to at least ``top_p``.
 
     Returns:
         Tuple[torch.Tensor, torch.Tensor]: ``[B]`` int64 tokens and their ``[B]`` float32
