@@ -1,0 +1,714 @@
+"""The embedded tiny sentiment task: a PPO demo that runs with no downloads.
+
+The task: a policy pretrained on short synthetic reviews continues a sentiment-neutral
+opening ("honestly the acting was") with a positive or a negative review; a reward model
+scores the sentiment; PPO should teach the policy to write positive reviews.
+
+    python -m torchtune_ppo.demo build --seed 0 [--out DIR]   # rebuild the shipped assets
+    python -m torchtune_ppo.demo check [--dir DIR]            # print sanity numbers
+
+Assets (``torchtune_ppo/assets/tiny_sentiment``) come the way real checkpoints come:
+a SentencePiece ``tokenizer.model`` (Llama-2 conventions) and one Hugging Face folder per
+model (``config.json`` + ``model.safetensors`` in HF key naming), loaded through
+``torchtune.training.FullModelHFCheckpointer`` with ``model_type`` ``LLAMA2`` (policy)
+and ``REWARD`` (reward model, also the usual value-model initialisation).
+
+Config builders: ``torchtune_ppo.demo.tiny_policy``, ``torchtune_ppo.demo.tiny_reward``,
+``torchtune_ppo.demo.tiny_tokenizer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import math
+import random
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from torchtune.models.llama2 import Llama2Tokenizer
+from torchtune.models.llama2._component_builders import llama2, llama2_classifier
+from torchtune.modules import TransformerDecoder
+
+BUILDER_VERSION = 1
+TASK = "tiny_sentiment"
+
+# Token ids: SentencePiece defaults, as in Llama-2. torchtune's Llama2Tokenizer pads with
+# the unk id 0, which never occurs in encoded text (the corpus is fully covered).
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+VOCAB_SIZE = 512
+MAX_SEQ_LEN = 128
+ROPE_BASE = 10000.0  # llama2_classifier has no rope_base argument and uses this default
+NORM_EPS = 1e-5
+
+# The one place the committed dims live: tiny_policy()/tiny_reward() build from these and
+# the builder writes config.json from them.
+POLICY_DIMS = dict(
+    vocab_size=VOCAB_SIZE,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,  # grouped-query attention, head_dim 32
+    embed_dim=128,
+    intermediate_dim=384,
+    max_seq_len=MAX_SEQ_LEN,
+)
+REWARD_DIMS = dict(
+    vocab_size=VOCAB_SIZE,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,  # head_dim 16
+    embed_dim=64,
+    intermediate_dim=192,
+    max_seq_len=MAX_SEQ_LEN,
+)
+
+# Suggested generation settings for this task: prompts are at most 9 tokens with BOS and
+# corpus reviews at most 21 with BOS and EOS, so responses need at most 19 (EOS included).
+MAX_PROMPT_LEN = 16
+MAX_GENERATED_TOKENS = 24
+
+NUM_REVIEWS = 4000  # half positive, half negative
+NUM_HELDOUT = 1000
+NUM_THREADS = 1  # fixed: float reductions depend on the thread count (and 1 is fastest for
+# these tiny matmuls on a busy machine: no OpenMP barriers)
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def tiny_policy() -> TransformerDecoder:
+    """The demo policy: a 4-layer llama-style decoder (GQA) over the demo tokenizer."""
+    return llama2(**POLICY_DIMS, norm_eps=NORM_EPS, rope_base=ROPE_BASE)
+
+
+def tiny_reward() -> TransformerDecoder:
+    """The demo reward model: a 2-layer llama classifier with one output (a logit per token)."""
+    return llama2_classifier(num_classes=1, **REWARD_DIMS, norm_eps=NORM_EPS)
+
+
+def tiny_tokenizer(path: Optional[str] = None, max_seq_len: Optional[int] = None) -> Llama2Tokenizer:
+    """The demo tokenizer (Llama-2 SentencePiece conventions, no chat template).
+
+    ``path`` defaults to the shipped ``tiny_sentiment/tokenizer.model``.
+    """
+    if path is None:
+        from torchtune_ppo import asset_path
+
+        path = asset_path(f"{TASK}/tokenizer.model")
+    return Llama2Tokenizer(path=path, max_seq_len=max_seq_len, prompt_template=None)
+
+
+# --------------------------------------------------------------------------- corpus
+
+# Openings are sentiment-neutral; the continuation alone carries the sentiment.
+LEADS = ["", "honestly", "overall", "to be honest", "in my opinion", "i think",
+         "i have to say", "well", "all in all", "so"]
+# Openings that end in a verb and expect an adjective phrase.
+COPULA_SUBJECTS = ["the movie was", "this movie is", "the film was", "this film is",
+                   "the acting was", "the plot was", "the story was", "the ending was",
+                   "the soundtrack was", "the cast was", "the show was", "this book was",
+                   "this product is", "the product was", "the quality is", "the service was"]
+# Openings that expect a verb phrase.
+NOUN_SUBJECTS = ["the movie", "this film", "the acting", "the story", "this product",
+                 "the director", "the ending", "this show"]
+# First-person openings.
+PERSON_SUBJECTS = ["i", "we", "my wife and i", "my kids", "my friends and i"]
+
+ADVERBS = ["", "really", "truly", "very", "quite", "just", "so", "absolutely", "pretty", "simply"]
+ADJECTIVES = {
+    1: ["great", "wonderful", "amazing", "excellent", "fantastic", "brilliant", "superb",
+        "lovely", "delightful", "charming", "perfect", "beautiful", "fun", "enjoyable",
+        "impressive", "touching"],
+    0: ["awful", "boring", "terrible", "horrible", "dull", "bad", "poor", "weak",
+        "disappointing", "painful", "dreadful", "annoying", "messy", "stupid", "bland",
+        "tedious"],
+}
+VERB_PHRASES = {
+    1: ["made me smile", "exceeded my expectations", "kept me hooked", "won me over",
+        "blew me away", "was worth every penny", "works like a charm", "was a real treat"],
+    0: ["made me cringe", "let me down", "fell flat", "put me to sleep", "ruined my evening",
+        "was a waste of money", "was a huge letdown", "was a real chore"],
+}
+PERSON_PHRASES = {
+    1: ["loved this movie", "loved it", "enjoyed every minute of it", "really liked the film",
+        "adored the story", "had a great time", "laughed all the way through",
+        "would happily watch it again", "loved this product"],
+    0: ["hated this movie", "hated it", "regret every minute of it", "really disliked the film",
+        "could not stand the story", "had a terrible time", "fell asleep halfway through",
+        "would never watch it again", "hated this product"],
+}
+TAILS = {
+    1: ["i loved it.", "highly recommended.", "i would watch it again.", "worth every penny.",
+        "five stars.", "a real joy.", "i will buy it again.", "my family loved it too.",
+        "what a great time."],
+    0: ["i hated it.", "avoid it.", "a total waste of time.", "i want my money back.",
+        "one star.", "a real mess.", "never again.", "my family hated it too.",
+        "what a waste."],
+}
+
+
+def _join(*parts: str) -> str:
+    return " ".join(p for p in parts if p)
+
+
+def openings() -> List[Tuple[str, str]]:
+    """All (opening text, kind) pairs, kind in {"copula", "noun", "person"}; 290 of them."""
+    out = []
+    for lead in LEADS:
+        for kind, subjects in (("copula", COPULA_SUBJECTS), ("noun", NOUN_SUBJECTS),
+                               ("person", PERSON_SUBJECTS)):
+            out.extend((_join(lead, s), kind) for s in subjects)
+    return out
+
+
+def _adjective_phrase(rng: random.Random, label: int) -> str:
+    first, second = rng.sample(ADJECTIVES[label], 2)
+    phrase = _join(rng.choice(ADVERBS), first)
+    if rng.random() < 0.3:
+        phrase = _join(phrase, "and", second)
+    return phrase
+
+
+def make_review(rng: random.Random, label: int) -> Tuple[str, str]:
+    """One review with sentiment ``label`` (1 positive, 0 negative) -> (opening, full text)."""
+    opening, kind = rng.choice(_OPENINGS)
+    if kind == "copula":
+        body = _adjective_phrase(rng, label)
+    elif kind == "noun":
+        if rng.random() < 0.5:
+            body = _join(rng.choice(["was", "is"]), _adjective_phrase(rng, label))
+        else:
+            body = rng.choice(VERB_PHRASES[label])
+    else:
+        body = rng.choice(PERSON_PHRASES[label])
+    text = f"{opening} {body}."
+    if rng.random() < 0.6:
+        text = f"{text} {rng.choice(TAILS[label])}"
+    return opening, text
+
+
+def make_reviews(rng: random.Random, n: int) -> List[Tuple[str, int]]:
+    """``n`` reviews as (text, label), exactly half positive, in random order."""
+    labels = [i % 2 for i in range(n)]
+    rng.shuffle(labels)
+    return [(make_review(rng, y)[1], y) for y in labels]
+
+
+_OPENINGS = openings()
+
+
+def _words(texts: Sequence[str]) -> set:
+    return {w for t in texts for w in re.findall(r"[a-z]+", t)}
+
+
+def sentiment_words() -> Tuple[frozenset, frozenset]:
+    """Words that occur only in positive (resp. negative) material, never in openings."""
+    def material(y):
+        return ADJECTIVES[y] + VERB_PHRASES[y] + PERSON_PHRASES[y] + TAILS[y]
+
+    neutral = _words([o for o, _ in _OPENINGS] + ADVERBS + ["was is and"])
+    pos, neg = _words(material(1)), _words(material(0))
+    return frozenset(pos - neg - neutral), frozenset(neg - pos - neutral)
+
+
+POSITIVE_WORDS, NEGATIVE_WORDS = sentiment_words()
+
+
+def word_sentiment(text: str) -> int:
+    """+1 / -1 when positive / negative words dominate ``text``, 0 when neither does."""
+    words = re.findall(r"[a-z]+", text)
+    score = sum(w in POSITIVE_WORDS for w in words) - sum(w in NEGATIVE_WORDS for w in words)
+    return (score > 0) - (score < 0)
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(texts: Sequence[str]) -> bytes:
+    """SentencePiece BPE model bytes; single-threaded and seeded, so deterministic."""
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts),
+        model_writer=buf,
+        model_type="bpe",
+        vocab_size=VOCAB_SIZE,
+        character_coverage=1.0,
+        normalization_rule_name="identity",  # lowercase ASCII text; keeps the file small
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        num_threads=1,
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        minloglevel=2,
+    )
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- masking
+
+
+def padded_batch(seqs: Sequence[Sequence[int]], left_pad: int = 0, right: bool = False) -> torch.Tensor:
+    """[B, L] tensor: each sequence padded with PAD_ID (on the left unless ``right``),
+    plus ``left_pad`` extra pad columns on the left."""
+    width = max(len(s) for s in seqs)
+    rows = []
+    for s in seqs:
+        pad = [PAD_ID] * (width - len(s))
+        rows.append([PAD_ID] * left_pad + (list(s) + pad if right else pad + list(s)))
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def masks_from_valid(valid: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Causal mask [B, L, L] and position ids [B, L] from a [B, L] bool mask of real
+    tokens, counted from the first real token: the recipe's convention for left padding."""
+    from torchtune.generation import get_causal_mask_from_padding_mask, get_position_ids_from_padding_mask
+
+    return get_causal_mask_from_padding_mask(valid), get_position_ids_from_padding_mask(valid)
+
+
+def last_token_scores(reward_model: TransformerDecoder, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Reward-model score [B] read at the last real token of each row of ``tokens`` [B, L].
+
+    ``valid`` [B, L] marks real tokens: one contiguous block per row, with left padding
+    (prompts) and right padding (responses cut after EOS) around it.
+    """
+    mask, pos = masks_from_valid(valid)
+    out = reward_model(tokens, mask=mask, input_pos=pos)  # [B, L, 1]
+    last = valid.shape[1] - 1 - valid.flip(1).int().argmax(1)  # [B]
+    return out[torch.arange(tokens.shape[0]), last, 0]
+
+
+def score_reviews(reward_model: TransformerDecoder, seqs: Sequence[Sequence[int]], left_pad: int = 0) -> torch.Tensor:
+    """Scores [B] of token sequences, left-padded into one batch (plus ``left_pad`` columns)."""
+    tokens = padded_batch(seqs, left_pad=left_pad)
+    return last_token_scores(reward_model, tokens, tokens != PAD_ID)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_policy(data: List[List[int]], seed: int, steps: int = 1000, batch_size: int = 32,
+                 lr: float = 3e-3, log=print) -> TransformerDecoder:
+    """Next-token pretraining on ``bos + review + eos`` sequences (right-padded batches).
+
+    About 8 epochs: longer runs memorise the corpus (held-out loss rises).
+    """
+    torch.manual_seed(seed)
+    model = tiny_policy()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    for step in range(steps):
+        idx = torch.randint(len(data), (batch_size,), generator=gen).tolist()
+        tokens = padded_batch([data[i] for i in idx], right=True)  # [B, L]
+        labels = tokens[:, 1:].masked_fill(tokens[:, 1:] == PAD_ID, -100)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, steps, lr, 100)
+        logits = model(tokens[:, :-1])  # [B, L-1, V]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 250 == 0 or step == steps - 1:
+            log(f"  policy step {step:5d}  loss {loss.item():.4f}")
+    model.eval()
+    return model
+
+
+def train_reward(data: List[List[int]], labels: List[int], seed: int, steps: int = 400,
+                 batch_size: int = 64, lr: float = 2e-3, smoothing: float = 0.05,
+                 log=print) -> TransformerDecoder:
+    """Binary cross-entropy on the logit at EVERY real position of ``bos + review + eos``,
+    so the last-token score of any truncated review is trained too (an opening alone
+    learns ~0). Batches are left-padded by a random extra amount under the recipe's
+    masking convention. Label smoothing keeps the scores within about +-3."""
+    torch.manual_seed(seed + 1)
+    model = tiny_reward()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed + 1)
+    model.train()
+    for step in range(steps):
+        idx = torch.randint(len(data), (batch_size,), generator=gen).tolist()
+        extra = int(torch.randint(9, (1,), generator=gen))
+        tokens = padded_batch([data[i] for i in idx], left_pad=extra)  # [B, L]
+        valid = tokens != PAD_ID
+        mask, pos = masks_from_valid(valid)
+        y = torch.tensor([labels[i] for i in idx], dtype=torch.float32)
+        target = (y * (1 - 2 * smoothing) + smoothing)[:, None].expand_as(tokens)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, steps, lr, 50)
+        logits = model(tokens, mask=mask, input_pos=pos)[..., 0]  # [B, L]
+        loss = F.binary_cross_entropy_with_logits(logits[valid], target[valid])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 200 == 0 or step == steps - 1:
+            log(f"  reward step {step:5d}  loss {loss.item():.4f}")
+    model.eval()
+    return model
+
+
+# --------------------------------------------------------------------------- HF storage
+
+
+def hf_config(dims: Dict, reward: bool) -> Dict:
+    """Llama-style HF config.json for one of the two models."""
+    head_dim = dims["embed_dim"] // dims["num_heads"]
+    config = {
+        "architectures": ["LlamaForSequenceClassification" if reward else "LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": dims["embed_dim"],
+        "intermediate_size": dims["intermediate_dim"],
+        "num_hidden_layers": dims["num_layers"],
+        "num_attention_heads": dims["num_heads"],
+        "num_key_value_heads": dims["num_kv_heads"],
+        "head_dim": head_dim,
+        "vocab_size": dims["vocab_size"],
+        "max_position_embeddings": dims["max_seq_len"],
+        "rms_norm_eps": NORM_EPS,
+        "rope_theta": ROPE_BASE,
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "torch_dtype": "float32",
+    }
+    if reward:
+        config.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    return config
+
+
+def save_hf(model: TransformerDecoder, dims: Dict, folder: Path, reward: bool) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in HF key naming (q/k rows permuted
+    to HF's rotary layout by torchtune's own converters, which the checkpointer inverts)."""
+    from safetensors.torch import save_file
+
+    from torchtune.models.convert_weights import tune_to_hf
+    from torchtune.rlhf.utils import reward_tune_to_hf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to(torch.float32).clone() for k, v in model.state_dict().items()}
+    kw = dict(num_heads=dims["num_heads"], num_kv_heads=dims["num_kv_heads"], dim=dims["embed_dim"])
+    hf = reward_tune_to_hf(sd, **kw) if reward else tune_to_hf(sd, **kw)
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(hf_config(dims, reward), indent=2) + "\n")
+
+
+def load_hf(folder: Path, reward: bool, output_dir: Optional[str] = None) -> TransformerDecoder:
+    """Load one model folder through torchtune's FullModelHFCheckpointer (strict keys)."""
+    from torchtune.training import MODEL_KEY, FullModelHFCheckpointer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = FullModelHFCheckpointer(
+            checkpoint_dir=str(folder),
+            checkpoint_files=["model.safetensors"],
+            model_type="REWARD" if reward else "LLAMA2",
+            output_dir=output_dir or tmp,
+        )
+        sd = ckpt.load_checkpoint()[MODEL_KEY]
+    model = tiny_reward() if reward else tiny_policy()
+    model.load_state_dict(sd, strict=True)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def _deterministic(num_threads: int = NUM_THREADS) -> None:
+    torch.set_num_threads(num_threads)
+    torch.use_deterministic_algorithms(True)
+
+
+@torch.no_grad()
+def sample(policy: TransformerDecoder, tokenizer: Llama2Tokenizer, prompts: Sequence[str], seed: int,
+           max_generated_tokens: int = MAX_GENERATED_TOKENS, temperature: float = 1.0
+           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample with torchtune's KV-cached ``generate`` from left-padded prompts.
+
+    Returns query [B, P], response [B, T] (PAD after the first EOS) and response_valid
+    [B, T] (real tokens up to and including the first EOS).
+    """
+    from torchtune.generation import generate
+    from torchtune.modules.common_utils import delete_kv_caches
+
+    query = padded_batch([tokenizer.encode(p, add_bos=True, add_eos=False) for p in prompts])
+    bsz, plen = query.shape
+    policy.setup_caches(batch_size=bsz, dtype=torch.float32, decoder_max_seq_len=plen + max_generated_tokens)
+    try:
+        out, _ = generate(policy, query, max_generated_tokens=max_generated_tokens, pad_id=PAD_ID,
+                          temperature=temperature, stop_tokens=[EOS_ID],
+                          rng=torch.Generator().manual_seed(seed))
+    finally:
+        delete_kv_caches(policy)
+    response = out[:, plen:]
+    response = F.pad(response, (0, max_generated_tokens - response.shape[1]), value=PAD_ID)
+    is_eos = response == EOS_ID
+    after_eos = (is_eos.cumsum(1) - is_eos.int()) > 0  # strictly after the first EOS
+    valid = ~after_eos
+    return query, response.masked_fill(after_eos, PAD_ID), valid
+
+
+@torch.no_grad()
+def evaluate(folder: Path, seed: int = 0, num_samples: int = 256, log=print) -> Dict:
+    """Sanity numbers of one built asset folder, loading everything the way the recipe does."""
+    folder = Path(folder)
+    tokenizer = tiny_tokenizer(str(folder / "tokenizer.model"))
+    policy = load_hf(folder / "policy", reward=False)
+    reward = load_hf(folder / "reward", reward=True)
+    # Policy samples from neutral prompts, judged by the word lists and the reward model.
+    prompts = [r["prompt"] for r in json.loads((folder / "prompts.json").read_text())]
+    prompts = [prompts[i % len(prompts)] for i in range(num_samples)]
+    query, response, rvalid = sample(policy, tokenizer, prompts, seed)
+    tokens = torch.cat([query, response], 1)
+    valid = torch.cat([query != PAD_ID, rvalid], 1)
+    scores = last_token_scores(reward, tokens, valid)
+    texts = [tokenizer.decode([t for t in r.tolist() if t not in (PAD_ID, EOS_ID)]) for r in response]
+    words = torch.tensor([word_sentiment(t) for t in texts])
+    eos = (response == EOS_ID).any(1)
+    by_reward = torch.where(scores > 0, 1, -1)
+    judged = words != 0
+    for p, t, s in list(zip(prompts, texts, scores.tolist()))[:6]:
+        log(f"  [{s:+.2f}] {p} | {t}")
+    # Reward model on held-out reviews: complete (read at EOS) and cut after the first
+    # sentence (no EOS), at two different left-padding amounts.
+    heldout = make_reviews(random.Random(seed + 1_000_003), NUM_HELDOUT)
+    y = torch.tensor([lbl for _, lbl in heldout]).bool()
+    full = [tokenizer.encode(t, add_bos=True, add_eos=True) for t, _ in heldout]
+    first = [tokenizer.encode(t.split(".")[0] + ".", add_bos=True, add_eos=False) for t, _ in heldout]
+    s_full = score_reviews(reward, full)
+    s_full_pad = score_reviews(reward, full, left_pad=13)
+    s_first = score_reviews(reward, first)
+    s_open = score_reviews(reward, [tokenizer.encode(o, add_bos=True, add_eos=False) for o, _ in _OPENINGS])
+    lengths = torch.tensor([len(t) for t in full])
+    prompt_lengths = [len(tokenizer.encode(o, add_bos=True, add_eos=False)) for o, _ in _OPENINGS]
+    return {
+        "policy_samples": num_samples,
+        "policy_temperature": 1.0,
+        "policy_max_generated_tokens": MAX_GENERATED_TOKENS,
+        "policy_eos_rate": round(eos.float().mean().item(), 4),
+        "policy_positive_by_words": round((words == 1).float().mean().item(), 4),
+        "policy_negative_by_words": round((words == -1).float().mean().item(), 4),
+        "policy_positive_by_reward": round((by_reward == 1).float().mean().item(), 4),
+        "policy_negative_by_reward": round((by_reward == -1).float().mean().item(), 4),
+        "reward_agrees_with_words": round((by_reward[judged] == words[judged]).float().mean().item(), 4),
+        "sample_reward_mean": round(scores.mean().item(), 4),
+        "reward_accuracy_heldout": round(((s_full > 0) == y).float().mean().item(), 4),
+        "reward_accuracy_first_sentence": round(((s_first > 0) == y).float().mean().item(), 4),
+        "reward_mean_positive": round(s_full[y].mean().item(), 4),
+        "reward_mean_negative": round(s_full[~y].mean().item(), 4),
+        "reward_mean_abs_opening_only": round(s_open.abs().mean().item(), 4),
+        "reward_left_pad_max_abs_diff": float(f"{(s_full - s_full_pad).abs().max().item():.2e}"),
+        "review_tokens_max": int(lengths.max()),
+        "review_tokens_mean": round(lengths.float().mean().item(), 2),
+        "prompt_tokens_max": max(prompt_lengths),
+    }
+
+
+# --------------------------------------------------------------------------- build
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def build(out: Path, seed: int = 0, log=print) -> Dict:
+    """Build every asset into ``out``; byte-identical for the same seed, machine and torch."""
+    _deterministic()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    corpus = make_reviews(random.Random(seed), NUM_REVIEWS)
+    log(f"corpus: {len(corpus)} reviews, e.g. {corpus[0][0]!r}")
+
+    (out / "tokenizer.model").write_bytes(train_tokenizer([t for t, _ in corpus]))
+    tokenizer = tiny_tokenizer(str(out / "tokenizer.model"))
+    assert tokenizer.vocab_size == VOCAB_SIZE, tokenizer.vocab_size
+    data = [tokenizer.encode(t, add_bos=True, add_eos=True) for t, _ in corpus]
+    assert all(PAD_ID not in d for d in data), "unk/pad id in encoded corpus"
+
+    # Prompts: every neutral opening, in a seeded order so that any prefix is varied.
+    prompts = [o for o, _ in _OPENINGS]
+    random.Random(seed).shuffle(prompts)
+    (out / "prompts.json").write_text("[\n" + ",\n".join(json.dumps({"prompt": p}) for p in prompts) + "\n]\n")
+
+    log("training policy")
+    policy = train_policy(data, seed, log=log)
+    log("training reward model")
+    reward = train_reward(data, [y for _, y in corpus], seed, log=log)
+
+    save_hf(policy, POLICY_DIMS, out / "policy", reward=False)
+    save_hf(reward, REWARD_DIMS, out / "reward", reward=True)
+
+    # Round trip through torchtune's checkpointer must reproduce the in-memory models.
+    probe = padded_batch(data[:16], left_pad=3)
+    pv = probe != PAD_ID
+    mask, pos = masks_from_valid(pv)
+    with torch.no_grad():
+        for model, reward_flag, folder in ((policy, False, "policy"), (reward, True, "reward")):
+            loaded = load_hf(out / folder, reward=reward_flag)
+            a = model(probe, mask=mask, input_pos=pos)
+            b = loaded(probe, mask=mask, input_pos=pos)
+            if not torch.equal(a, b):
+                raise RuntimeError(f"{folder}: checkpoint round trip differs by {(a - b).abs().max()}")
+    log("checkpoint round trip: exact")
+
+    log("evaluating")
+    sanity = evaluate(out, seed=seed, log=log)
+    for k, v in sanity.items():
+        log(f"  {k}: {v}")
+
+    readme = _README.format(**sanity, vocab=VOCAB_SIZE, seed=seed,
+                            policy_params=_n_params(policy), reward_params=_n_params(reward),
+                            p=POLICY_DIMS, r=REWARD_DIMS, reviews=NUM_REVIEWS,
+                            max_prompt_len=MAX_PROMPT_LEN)
+    (out / "README.md").write_text(readme)
+
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "MANIFEST.json")
+    manifest = {
+        "task": TASK,
+        "builder_version": BUILDER_VERSION,
+        "seed": seed,
+        "build_command": f"python -m torchtune_ppo.demo build --seed {seed}",
+        "built_with": {"torch": torch.__version__.split("+")[0], "num_threads": NUM_THREADS},
+        "tokenizer": {"type": "sentencepiece-bpe", "vocab_size": VOCAB_SIZE,
+                      "pad_id": PAD_ID, "bos_id": BOS_ID, "eos_id": EOS_ID},
+        "corpus": {"reviews": NUM_REVIEWS, "positive_fraction": 0.5, "prompts": len(prompts)},
+        "policy": {**POLICY_DIMS, "params": _n_params(policy), "checkpointer_model_type": "LLAMA2"},
+        "reward": {**REWARD_DIMS, "num_classes": 1, "params": _n_params(reward),
+                   "checkpointer_model_type": "REWARD"},
+        "generation": {"max_prompt_len": MAX_PROMPT_LEN, "max_generated_tokens": MAX_GENERATED_TOKENS,
+                       "temperature": 1.0, "stop_token_ids": [EOS_ID]},
+        "sanity": sanity,
+        "files": {str(p.relative_to(out)): _sha256(p) for p in files},
+    }
+    (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    log(f"wrote {out}")
+    return manifest
+
+
+_README = """\
+# tiny_sentiment
+
+A PPO task small enough for a CPU and shipped with the package, so that the recipe runs
+with no downloads. Rebuild (deterministic, about two minutes of one CPU core):
+
+    python -m torchtune_ppo.demo build --seed {seed}
+
+`python -m torchtune_ppo.demo check` reloads the files and prints the numbers below.
+
+**Task.** The policy continues a sentiment-neutral review opening (`honestly the acting
+was`, `i think this film`, ...) with a short review that is positive or negative about
+equally often. The reward model scores the sentiment; PPO should push the policy towards
+positive reviews.
+
+**Files.**
+- `tokenizer.model`: SentencePiece BPE, {vocab} pieces, unk/pad=0, bos=1, eos=2 (Llama-2
+  conventions; load with `torchtune.models.llama2.llama2_tokenizer` or
+  `torchtune_ppo.demo.tiny_tokenizer`).
+- `policy/`: HF llama checkpoint (`config.json`, `model.safetensors`, float32), load with
+  `FullModelHFCheckpointer(model_type=LLAMA2)` into `torchtune_ppo.demo.tiny_policy()`:
+  {p[num_layers]} layers, dim {p[embed_dim]}, {p[num_heads]} heads / {p[num_kv_heads]} kv heads,
+  MLP {p[intermediate_dim]}, {policy_params} parameters.
+- `reward/`: HF sequence-classification checkpoint with one label, load with
+  `FullModelHFCheckpointer(model_type=REWARD)` into `torchtune_ppo.demo.tiny_reward()`:
+  {r[num_layers]} layers, dim {r[embed_dim]}, {r[num_heads]} heads / {r[num_kv_heads]} kv heads,
+  MLP {r[intermediate_dim]}, {reward_params} parameters.
+- `prompts.json`: {{"prompt": ...}} records of every neutral opening, for
+  `text_completion_dataset(source="json", data_files=..., column="prompt", add_eos=False)`.
+- `MANIFEST.json`: seed, dims, sanity numbers and the sha256 of every file.
+
+**How it was built.** {reviews} synthetic reviews (half positive) from templates and word
+lists, seeded. The policy is pretrained on `bos + review + eos`. The reward model is
+trained with binary cross-entropy (label smoothing 0.05) on its logit at every token of
+`bos + review + eos`, left-padded by random amounts with the recipe's convention (causal
+mask from the padding mask, position ids counted from the first real token), so its score
+at the last real token is the sentiment of any prefix: complete or truncated reviews,
+with or without EOS, and independent of left padding.
+
+**Scoring convention.** Score a left-padded (query, response) pair with
+`get_causal_mask_from_padding_mask` / `get_position_ids_from_padding_mask` and read the
+output at the last real token (the EOS when there is one). Scores lie within about +-3.
+
+**Sanity numbers** ({policy_samples} samples at temperature {policy_temperature},
+at most {policy_max_generated_tokens} new tokens):
+
+| | |
+|---|---|
+| policy samples ending in EOS | {policy_eos_rate} |
+| positive / negative by word lists | {policy_positive_by_words} / {policy_negative_by_words} |
+| positive / negative by reward model | {policy_positive_by_reward} / {policy_negative_by_reward} |
+| reward model agrees with word lists | {reward_agrees_with_words} |
+| mean reward of samples | {sample_reward_mean} |
+| reward accuracy, held-out reviews | {reward_accuracy_heldout} |
+| reward accuracy, first sentence only | {reward_accuracy_first_sentence} |
+| mean score positive / negative reviews | {reward_mean_positive} / {reward_mean_negative} |
+| mean abs score of an opening alone | {reward_mean_abs_opening_only} |
+| max score change under left padding | {reward_left_pad_max_abs_diff} |
+
+Reviews are at most {review_tokens_max} tokens with BOS and EOS (mean {review_tokens_mean});
+prompts at most {prompt_tokens_max} with BOS, so `max_prompt_len: {max_prompt_len}` and
+`max_generated_tokens: {policy_max_generated_tokens}` fit; stop token: eos (2).
+"""
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torchtune_ppo.demo", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_build = sub.add_parser("build", help="rebuild the tiny_sentiment assets")
+    p_build.add_argument("--seed", type=int, default=0)
+    p_build.add_argument("--out", type=Path, default=None, help="default: the package assets folder")
+    p_check = sub.add_parser("check", help="print sanity numbers of built assets")
+    p_check.add_argument("--dir", type=Path, default=None, help="default: the package assets folder")
+    p_check.add_argument("--samples", type=int, default=256)
+    args = parser.parse_args(argv)
+
+    default_dir = Path(__file__).parent / "assets" / TASK
+    if args.cmd == "build":
+        build(args.out or default_dir, seed=args.seed)
+        return 0
+
+    _deterministic()
+    folder = args.dir or default_dir
+    manifest = json.loads((folder / "MANIFEST.json").read_text())
+    bad = [f for f, h in manifest["files"].items() if _sha256(folder / f) != h]
+    print(f"files: {len(manifest['files'])} listed, {len(bad)} differ from MANIFEST {bad or ''}")
+    sanity = evaluate(folder, seed=manifest["seed"], num_samples=args.samples)
+    for k, v in sanity.items():
+        ref = manifest["sanity"].get(k)
+        print(f"  {k}: {v}" + ("" if ref == v else f"   (MANIFEST: {ref})"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
