@@ -42,10 +42,10 @@ def maybe_compile(
 
 
 def compile_count() -> int:
-    """Frames dynamo has compiled in this process so far (first compiles and recompiles)."""
+    """Graphs dynamo has compiled in this process so far (first compiles and recompiles)."""
     from torch._dynamo.utils import counters
 
-    return int(counters["frames"]["total"])
+    return int(counters["stats"]["unique_graphs"])
 
 
 class RecompileCounter:
