@@ -32,7 +32,7 @@ from torchtune_ppo.config import parse_compile, validate_config
 from torchtune_ppo.data import left_pad_prompts
 from torchtune_ppo.generation import Generator
 from torchtune_ppo.loss_step import ppo_loss_step
-from torchtune_ppo.trajectory import ModelReward, Trajectory, score_trajectory
+from torchtune_ppo.trajectory import ModelReward, Trajectory, rollout, score_trajectory
 
 log = utils.get_logger("INFO")
 
@@ -134,6 +134,10 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._score_trajectory = maybe_compile(
             score_trajectory, enabled=self._compile.trajectory, mode="default"
         )
+        self._rollout = maybe_compile(rollout, enabled=self._compile.rollout, mode="default")
+        if self._compile.rollout and (self._compile.generate or self._compile.trajectory):
+            log.warning("compile.rollout compiles steps 1-6 as one region; "
+                        "compile.generate and compile.trajectory are unused.")
         self._ppo_loss_step = maybe_compile(
             ppo_loss_step, enabled=self._compile.loss_step, mode="default"
         )
@@ -199,6 +203,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     def generate_trajectory(self, prompts: torch.Tensor, timer: PhaseTimer) -> Trajectory:
         """Steps 1-6 for ``prompts`` [B, P], in chunks of ``forward_batch_size``."""
         chunks = prompts.split(self._forward_batch_size)
+        if self._compile.rollout:
+            return self._rollout_trajectory(chunks, timer)
         with timer("generate"):
             outputs = [self._generator.generate(chunk, rng=self._rng) for chunk in chunks]
         with timer("score"), torch.no_grad():
@@ -215,6 +221,27 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                 )
                 for out in outputs
             ]
+        return Trajectory(*map(torch.cat, zip(*trajectories)))
+
+    def _rollout_trajectory(self, chunks: Tuple[torch.Tensor, ...], timer: PhaseTimer) -> Trajectory:
+        # Steps 1-6 in one compiled region: all of it is timed as "generate".
+        trajectories = []
+        with timer("generate"), torch.no_grad():
+            for chunk in chunks:
+                with self._generator.attached():
+                    noise = self._generator.prepare_unrolled(chunk, rng=self._rng)
+                    trajectories.append(
+                        self._rollout(
+                            self._generator,
+                            noise,
+                            self._ref_policy_model,
+                            self._value_model,
+                            self._reward_fn,
+                            self._stop_token_ids,
+                            **self._traj_kwargs,
+                        )
+                    )
+        timer.times["score"] = 0.0
         return Trajectory(*map(torch.cat, zip(*trajectories)))
 
     def ppo_update(

@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import config as tt_config
 
-COMPILE_KEYS = ("generate", "trajectory", "loss_step", "mode")
+COMPILE_KEYS = ("generate", "trajectory", "loss_step", "rollout", "mode")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CHECKPOINTERS = (
     "checkpointer",
@@ -71,11 +71,9 @@ class CompileConfig:
     generate: bool = False
     trajectory: bool = False
     loss_step: bool = False
+    # Steps 1-6 as one region (unrolled generation + scoring); replaces generate/trajectory.
+    rollout: bool = False
     mode: str = "default"
-
-    @property
-    def any(self) -> bool:
-        return self.generate or self.trajectory or self.loss_step
 
 
 def parse_compile(value: Any) -> CompileConfig:
@@ -90,7 +88,7 @@ def parse_compile(value: Any) -> CompileConfig:
                 f"compile: unknown key(s) {unknown}; valid keys are {list(COMPILE_KEYS)}, "
                 "or write a bare `compile: true|false` to set all regions."
             )
-        for key in ("generate", "trajectory", "loss_step"):
+        for key in ("generate", "trajectory", "loss_step", "rollout"):
             if key in value and not isinstance(value[key], bool):
                 raise ValueError(f"compile.{key} must be true or false, got {value[key]!r}.")
         mode = value.get("mode", "default")
@@ -100,6 +98,7 @@ def parse_compile(value: Any) -> CompileConfig:
             generate=value.get("generate", False),
             trajectory=value.get("trajectory", False),
             loss_step=value.get("loss_step", False),
+            rollout=value.get("rollout", False),
             mode=mode,
         )
     raise ValueError(

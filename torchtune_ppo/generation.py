@@ -441,6 +441,70 @@ class Generator:
             return None
         return self._noise.exponential_(generator=rng)
 
+    @contextlib.contextmanager
+    def attached(self):
+        """The policy in eval mode with its KV caches attached; both restored on exit."""
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()  # generation never uses dropout, and a fixed mode keeps the guards fixed
+        self._attach_caches()
+        try:
+            yield
+        finally:
+            self._detach_caches()
+            for m, training in modes:
+                m.training = training
+
+    def prepare_unrolled(
+        self, prompts: torch.Tensor, rng: Optional[torch.Generator] = None
+    ) -> Optional[torch.Tensor]:
+        """Loads a full batch of prompts for :meth:`unrolled`; returns its ``[T, B, W]`` noise.
+
+        Call inside :meth:`attached`. ``prompts`` must be ``[batch_size, max_prompt_len]``.
+        """
+        if self._validate_prompts(prompts, rng) != self.batch_size:
+            raise ValueError(
+                f"unrolled generation needs a full batch of {self.batch_size} prompts, "
+                f"got {prompts.shape[0]}."
+            )
+        self._prepare(prompts)
+        if self._greedy:
+            return None
+        shape = (self.max_generated_tokens, *self._noise.shape)
+        return torch.empty(shape, device=self.device).exponential_(generator=rng)
+
+    def unrolled(self, noise: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Prefill and every decode step as straight-line code with no early exit.
+
+        Written for tracing: one enclosing ``torch.compile`` region can hold the whole
+        generation (the RFC's "compile steps 1-6 as one region"). Call after
+        :meth:`prepare_unrolled`, inside :meth:`attached`.
+
+        Args:
+            noise (Optional[torch.Tensor]): ``[T, B, W]`` from :meth:`prepare_unrolled`.
+
+        Returns:
+            Tuple[torch.Tensor, torch.Tensor]: ``query_responses [B, P + T]`` (tokens after a
+            stop token are kept, not padded) and ``logprobs [B, T]``.
+        """
+        P, T = self.max_prompt_len, self.max_generated_tokens
+        cols = torch.arange(P + T, device=self.device)
+        token, logprob, _ = prefill(
+            self.model, self._tokens, self._prefill_pos, self._prefill_mask,
+            None if noise is None else noise[0], **self._sampling,
+        )
+        tokens, logprobs = [token], [logprob]
+        for i in range(1, T):
+            response_cols = (cols >= P) & (cols < P + i)  # [S]: the i tokens fed so far
+            mask = self._decode_mask | response_cols
+            token, logprob, _ = generate_next_token(
+                self.model, token[:, None], self._decode_pos + (i - 1), mask,
+                None if noise is None else noise[i], **self._sampling,
+            )
+            tokens.append(token)
+            logprobs.append(logprob)
+        query_responses = torch.cat([self._tokens, torch.stack(tokens, dim=1)], dim=1)
+        return query_responses, torch.stack(logprobs, dim=1)
+
     @torch.no_grad()
     def generate(
         self,
@@ -465,16 +529,9 @@ class Generator:
             ValueError: if ``prompts`` has the wrong shape or dtype, or ``rng`` the wrong device.
         """
         b = self._validate_prompts(prompts, rng)
-        modes = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()  # generation never uses dropout, and a fixed mode keeps the guards fixed
-        self._attach_caches()
-        try:
+        with self.attached():
             self._prepare(prompts)
             responses, logprobs, logits = self._generate(b, rng, return_logits)
-        finally:
-            self._detach_caches()
-            for m, training in modes:
-                m.training = training
         query_responses = torch.cat([prompts.to(self.device, torch.long), responses[:b]], dim=1)
         return GenerationOutput(
             query_responses, logprobs[:b], None if logits is None else logits[:b]

@@ -174,3 +174,32 @@ def score_trajectory(
         scores=scores,
         seq_lens=seq_lens,
     )
+
+
+def rollout(
+    generator,
+    noise: Optional[torch.Tensor],
+    ref_policy_model: nn.Module,
+    value_model: nn.Module,
+    reward_fn: RewardFn,
+    stop_token_ids: torch.Tensor,
+    **score_kwargs,
+) -> Trajectory:
+    """Steps 1-6 as one function: unrolled generation, then :func:`score_trajectory`.
+
+    Compiled as a single region when ``compile.rollout`` is on (the RFC's option 2, no separate
+    decode compile). ``generator`` is a :class:`~torchtune_ppo.generation.Generator` already
+    loaded with :meth:`~torchtune_ppo.generation.Generator.prepare_unrolled`, inside its
+    ``attached()`` context; there is no early stop, every row runs all ``T`` steps.
+    """
+    query_responses, logprobs = generator.unrolled(noise)
+    return score_trajectory(
+        query_responses,
+        logprobs,
+        None,
+        ref_policy_model,
+        value_model,
+        reward_fn,
+        stop_token_ids,
+        **score_kwargs,
+    )

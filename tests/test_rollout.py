@@ -1,0 +1,61 @@
+"""Steps 1-6 as one region (compile.rollout): equal to the split path, compiled equal to eager."""
+
+import torch
+
+from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_policy
+from torchtune_ppo._compile import maybe_compile
+from torchtune_ppo.generation import Generator
+from torchtune_ppo.trajectory import ModelReward, rollout, score_trajectory
+
+P, T, B = 6, 4, 3
+STOP = torch.tensor([EOS_ID])
+KW = dict(prompt_len=P, pad_id=PAD_ID, temperature=1.0, penalise_no_eos=True,
+          min_response_length=None, reward_penalty=-3.0)
+
+
+def _setup(top_k):
+    policy, ref = tiny_policy(0), tiny_policy(0)
+    value, reward = tiny_classifier(1), tiny_classifier(2)
+    with torch.no_grad():  # flatter next-token distributions, so sampling is not one-hot
+        for m in (policy, ref):
+            m.tok_embeddings.weight.mul_(0.15)
+    gen = Generator(policy, batch_size=B, max_prompt_len=P, max_generated_tokens=T,
+                    pad_id=PAD_ID, stop_token_ids=[EOS_ID], top_k=top_k)
+    return gen, ref, value, ModelReward(reward)
+
+
+@torch.no_grad()
+def test_greedy_rollout_equals_generate_then_score():
+    gen, ref, value, reward = _setup(top_k=1)
+    prompts = left_padded_prompts([6, 2, 4], P, seed=5)
+    out = gen.generate(prompts)
+    split = score_trajectory(out.query_responses, out.logprobs, None, ref, value, reward, STOP, **KW)
+    with gen.attached():
+        noise = gen.prepare_unrolled(prompts)
+        whole = rollout(gen, noise, ref, value, reward, STOP, **KW)
+    for name, a, b in zip(split._fields, split, whole):
+        if a.is_floating_point():
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
+        else:
+            assert torch.equal(a, b), name
+
+
+@torch.no_grad()
+def test_compiled_rollout_equals_eager():
+    gen, ref, value, reward = _setup(top_k=None)
+    compiled = maybe_compile(rollout, enabled=True)
+    for seed in (0, 1):  # the second batch reuses the graph
+        prompts = left_padded_prompts([1, 6, 3], P, seed=seed)
+        results = []
+        for fn in (rollout, compiled):
+            with gen.attached():
+                gen.prepare_unrolled(prompts)
+                noise = torch.empty(T, B, 64).exponential_(generator=torch.Generator().manual_seed(seed))
+                results.append(fn(gen, noise, ref, value, reward, STOP, **KW))
+        eager, comp = results
+        for name, a, b in zip(eager._fields, eager, comp):
+            if a.is_floating_point():
+                torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
+            else:
+                assert torch.equal(a, b), name
+    assert gen.model.layers[0].attn.kv_cache is None  # caches detached again
