@@ -270,6 +270,10 @@ def run_row(name: str, spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     overrides = ROWS[name][1]
     device = spec["device"]
+    if spec.get("threads"):
+        import torch
+
+        torch.set_num_threads(spec["threads"])
     runner = run_torchtune_row if name.startswith("tt_") else run_ours_row
     result = runner(spec, dict(overrides))
     result.setdefault("status", "ok")
@@ -476,11 +480,12 @@ def _x(x: Optional[float]) -> str:
 
 
 def markdown_table(rows: List[Dict[str, Any]], fastest: Optional[str]) -> str:
-    fastest_idx = next((i + 1 for i, r in enumerate(rows) if r["name"] == fastest), "?")
+    fastest_idx = next((i + 1 for i, r in enumerate(rows) if r["name"] == fastest), None)
+    vs_fastest = f"vs fastest torchtune (row {fastest_idx})" if fastest_idx else "vs fastest torchtune"
     head = (
         "| # | row | step (s) | generate | score | advantages | loss+backward | optimizer | other "
         "| generate share | trajectory tok/s | PPO tok/s | compile (s) | recompiles: graphs (frames) "
-        f"| peak mem (MiB) | vs row 1 | vs fastest torchtune (row {fastest_idx}) |"
+        f"| peak mem (MiB) | vs row 1 | {vs_fastest} |"
     )
     lines = [head, "|---:|---|" + "---:|" * 15]
     for i, r in enumerate(rows, 1):
@@ -529,6 +534,13 @@ def report_markdown(report: Dict[str, Any]) -> str:
     ]
     notes = [f"- row {i}: {r['reason'].splitlines()[0][:300]}"
              for i, r in enumerate(report["rows"], 1) if r.get("reason")]
+    notes += [f"- row {i}: steps 1-6 are one compiled region, timed as *generate* (score is 0)."
+              for i, r in enumerate(report["rows"], 1)
+              if r["name"] == "ours_rollout" and r["status"] == "ok"]
+    loads = [f"{i}: {r['loadavg_1min_after']}" for i, r in enumerate(report["rows"], 1)
+             if "loadavg_1min_after" in r]
+    if loads:
+        notes.append("- 1-min load average when each row ended (row: load): " + ", ".join(loads))
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
@@ -576,6 +588,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ppo-epochs", type=int, default=2)
     p.add_argument("--max-prompt-len", type=int, default=None, help="default: the config's")
     p.add_argument("--max-generated-tokens", type=int, default=None, help="default: the config's")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in every row (CPU)")
     p.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
     p.add_argument("--quick", action="store_true", help="rows 1 and 4, two tiny steps")
     p.add_argument("--gpu", action="store_true",
@@ -634,7 +647,8 @@ def run_rows(args, work: Path, gpu_models) -> List[Dict[str, Any]]:
         ours = ours_config(args, work / name)
         if gpu_models:
             ours["policy_model"], ours["reward_and_value_model"] = gpu_models
-        spec = {"device": args.device, "ours_cfg": ours, "torchtune_cfg": torchtune_config(ours, args)}
+        spec = {"device": args.device, "threads": args.threads, "ours_cfg": ours,
+                "torchtune_cfg": torchtune_config(ours, args)}
         spec_path = work / f"{name}.spec.json"
         spec_path.write_text(json.dumps(spec))
         left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - start)
@@ -645,6 +659,7 @@ def run_rows(args, work: Path, gpu_models) -> List[Dict[str, Any]]:
             result = launch_row(name, spec_path, work, args.out / "logs", left)
         r = rows[name] = summarize(name, result, args.warmup, args.batch_size,
                                    ours["max_generated_tokens"], args.ppo_epochs)
+        r["loadavg_1min_after"] = round(os.getloadavg()[0], 2)
         print(f"    {r['status']}" + (f": {r['step_s']:.3f} s/step" if r["status"] == "ok"
                                        else f" {r.get('reason', '')}"), flush=True)
     args.resolved = ours
