@@ -1,0 +1,33 @@
+"""Mean score over the first and last fifth of a run, from its torchtune DiskLogger file.
+
+    python benchmarks/reward_curve.py /tmp/torchtune-ppo/tiny_sentiment/logs
+"""
+
+import sys
+from pathlib import Path
+
+
+def read_rows(log_dir: Path):
+    log_file = sorted(Path(log_dir).glob("log_*.txt"))[-1]
+    rows = []
+    for line in log_file.read_text().splitlines():
+        if line.startswith("Step "):
+            payload = line.split(" | ", 1)[1]
+            rows.append({k: float(v) for k, v in (item.split(":", 1) for item in payload.split())})
+    return rows
+
+
+def main(log_dir: str) -> None:
+    rows = read_rows(Path(log_dir))
+    scores = [r["scores"] for r in rows]
+    k = max(1, len(scores) // 5)
+    steps = sorted(r["time/step"] for r in rows[1:]) or [rows[0]["time/step"]]
+    print(f"steps: {len(scores)}")
+    print(f"mean score, first fifth (steps 1-{k}): {sum(scores[:k]) / k:.3f}")
+    print(f"mean score, last fifth (steps {len(scores) - k + 1}-{len(scores)}): {sum(scores[-k:]) / k:.3f}")
+    print(f"median step time after the first: {steps[len(steps) // 2]:.3f} s")
+    print(f"recompiles after the first step: {int(rows[-1]['recompiles'])}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/torchtune-ppo/tiny_sentiment/logs")
