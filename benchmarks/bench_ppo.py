@@ -176,7 +176,6 @@ def run_torchtune_row(spec: Dict[str, Any], overrides: Dict[str, Any]) -> Dict[s
     """torchtune's recipe, driven through its own ``train()`` with its methods timed in place."""
     import runpy
 
-    import torch
     import torchtune
     from omegaconf import OmegaConf
 
