@@ -88,6 +88,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._recompiles = RecompileCounter()
         self.steps_run = 0
         self.epochs_run = 0
+        self._collate_truncated = 0  # prompts cut to max_prompt_len in the current batch
 
     def setup(self, cfg: DictConfig) -> None:
         self._metric_logger = self._setup_metric_logger(cfg)
