@@ -4,21 +4,12 @@
 """
 
 import sys
-from pathlib import Path
 
-
-def read_rows(log_dir: Path):
-    log_file = sorted(Path(log_dir).glob("log_*.txt"))[-1]
-    rows = []
-    for line in log_file.read_text().splitlines():
-        if line.startswith("Step "):
-            payload = line.split(" | ", 1)[1]
-            rows.append({k: float(v) for k, v in (item.split(":", 1) for item in payload.split())})
-    return rows
+from torchtune_ppo.logs import read_disk_log
 
 
 def main(log_dir: str) -> None:
-    rows = read_rows(Path(log_dir))
+    rows = read_disk_log(log_dir)
     scores = [r["scores"] for r in rows]
     k = max(1, len(scores) // 5)
     steps = sorted(r["time/step"] for r in rows[1:]) or [rows[0]["time/step"]]

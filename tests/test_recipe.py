@@ -1,18 +1,17 @@
 """End-to-end runs of the recipe through `tune run`, on the embedded tiny task."""
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 from torchtune import training
 from torchtune.training import FullModelHFCheckpointer
 
 import torchtune_ppo
 from torchtune_ppo.demo import tiny_policy
+from torchtune_ppo.logs import read_disk_log
 
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
@@ -31,19 +30,7 @@ def run_recipe(output_dir: Path, *overrides: str, cwd: Path = ROOT, recipe: str 
     cmd = [*TUNE, "run", recipe, "--config", str(CONFIG), f"output_dir={output_dir}", *SMALL, *overrides]
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc, read_metrics(output_dir / "logs")
-
-
-def read_metrics(log_dir: Path):
-    """Rows of a torchtune DiskLogger file: one {key: float} per step, in order."""
-    (log_file,) = log_dir.glob("log_*.txt")
-    rows = []
-    for line in log_file.read_text().splitlines():
-        if not line.startswith("Step "):
-            continue
-        _, payload = line.split(" | ", 1)
-        rows.append({k: float(v) for k, v in (item.split(":", 1) for item in payload.split())})
-    return rows
+    return proc, read_disk_log(output_dir / "logs")
 
 
 def _load_policy(checkpoint_dir: Path, output_dir: Path, filename="model-00001-of-00001.safetensors"):

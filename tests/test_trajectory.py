@@ -1,6 +1,5 @@
 """Steps 2-6: truncation, masks, scores, penalties; eager against torchtune's math and compiled."""
 
-import pytest
 import torch
 from torchtune import generation, rlhf as tt_rlhf
 

@@ -1,9 +1,8 @@
 """Validation of the recipe config, done in one place before any model is loaded."""
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -235,8 +234,3 @@ def validate_config(cfg: DictConfig) -> DictConfig:
 def _divisor(n: int, near: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - near), -d))
 
-
-def read_hf_config(checkpoint_dir: str) -> Dict[str, Any]:
-    """The ``config.json`` of a Hugging Face checkpoint folder (empty when there is none)."""
-    path = Path(checkpoint_dir) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}

@@ -154,6 +154,8 @@ def prefill(
     return token, logprob, logits
 
 
+# The same body as prefill, kept a separate function on purpose: each gets its own compiled
+# graph and guards ([B, P] prompt vs [B, 1] token), so neither ever recompiles for the other.
 def generate_next_token(
     model: TransformerDecoder,
     token: torch.Tensor,
