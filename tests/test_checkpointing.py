@@ -1,0 +1,292 @@
+"""Atomic step checkpoints: HF round trip, training state, RNG, refusals, crashes, pruning."""
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+from torchtune import config, training
+
+import torchtune_ppo
+from torchtune_ppo import checkpointing as ckpt
+
+HF = "torchtune.training.FullModelHFCheckpointer"
+
+
+def _blocks(output_dir: Path):
+    """The run's checkpointer config blocks, as in the tiny sentiment config."""
+    policy = OmegaConf.create({
+        "_component_": HF, "checkpoint_dir": torchtune_ppo.asset_path("tiny_sentiment/policy"),
+        "checkpoint_files": ["model.safetensors"], "model_type": "LLAMA2",
+        "output_dir": str(output_dir / "policy"),
+    })
+    value = OmegaConf.create({
+        "_component_": HF, "checkpoint_dir": torchtune_ppo.asset_path("tiny_sentiment/reward"),
+        "checkpoint_files": ["model.safetensors"], "model_type": "REWARD",
+        "output_dir": str(output_dir / "value"),
+    })
+    return policy, value
+
+
+def _load(block, **overrides):
+    return config.instantiate(block, **overrides).load_checkpoint()[training.MODEL_KEY]
+
+
+@pytest.fixture(scope="module")
+def state_dicts(tmp_path_factory):
+    """Shipped tiny policy and reward weights in torchtune format (loaded once)."""
+    policy, value = _blocks(tmp_path_factory.mktemp("load"))
+    return _load(policy), _load(value)
+
+
+@pytest.fixture
+def run(tmp_path):
+    out = tmp_path / "run"
+    return out, *_blocks(out)
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _step_dirs(out):
+    root = out / ckpt.CHECKPOINTS_DIRNAME
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def test_save_then_load_round_trip(run, state_dicts):
+    out, policy, value = run
+    psd, vsd = state_dicts
+    param = torch.nn.Parameter(torch.randn(3, 4))
+    opt = torch.optim.AdamW([param], lr=1e-3)
+    param.grad = torch.randn(3, 4)
+    opt.step()
+    g = torch.Generator().manual_seed(7)
+    state = {"optimizer": opt.state_dict(), "step": 5, "samples_seen": 80,
+             "rng": ckpt.capture_rng_state([g])}
+
+    path = ckpt.CheckpointManager(out, policy, value).save(5, psd, vsd, state)
+    assert path == out / "checkpoints" / "step_5"
+    assert ckpt.latest_checkpoint(out) == path
+    assert ckpt.existing_checkpoints(out) == [path]
+
+    # Through torchtune's checkpointer, with the overrides a resuming recipe uses.
+    overrides = ckpt.checkpointer_overrides(path)
+    assert overrides["policy"]["checkpoint_dir"] == str(path / "policy")
+    _assert_same(_load(policy, **overrides["policy"]), psd)
+    _assert_same(_load(value, **overrides["value"]), vsd)
+
+    # Plain HF folders: same tensors under the same HF names as the shipped ones, config.json.
+    for name, src in (("policy", "tiny_sentiment/policy"), ("value", "tiny_sentiment/reward")):
+        src = Path(torchtune_ppo.asset_path(src))
+        (shard,) = overrides[name]["checkpoint_files"]
+        _assert_same(load_file(path / name / shard), load_file(src / "model.safetensors"))
+        assert json.loads((path / name / "config.json").read_text()) == json.loads(
+            (src / "config.json").read_text())
+        index = json.loads((path / name / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"].values()) == {shard}
+
+    loaded = ckpt.load_training_state(path)
+    assert loaded["step"] == 5 and loaded["samples_seen"] == 80
+    _assert_same(loaded["optimizer"]["state"][0], opt.state_dict()["state"][0])
+    assert loaded["optimizer"]["param_groups"] == opt.state_dict()["param_groups"]
+
+    marker = json.loads((path / ckpt.MARKER_FNAME).read_text())
+    assert marker["step"] == 5 and "training_state.pt" in marker["files"]
+    # The writer's scratch folders and nothing else of torchtune's are left behind.
+    assert sorted(p.name for p in path.iterdir()) == ["COMPLETE", "policy", "training_state.pt", "value"]
+    assert _step_dirs(out) == ["step_5"]
+
+
+def test_rng_capture_restore_reproduces_draws(tmp_path):
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+
+    def draws():
+        return (torch.rand(4), random.random(), torch.rand(3, generator=g1),
+                torch.randint(0, 100, (3,), generator=g2))
+
+    state = ckpt.capture_rng_state([g1, g2])
+    torch.save(state, tmp_path / "rng.pt")  # through disk, as in training_state.pt
+    first = draws()
+    ckpt.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True), [g1, g2])
+    second = draws()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b) if torch.is_tensor(a) else a == b
+    with pytest.raises(ValueError, match="2 generators, 1 given"):
+        ckpt.restore_rng_state(state, [g1])
+
+
+def test_non_finite_weights_write_nothing(run, state_dicts):
+    out, policy, value = run
+    psd, vsd = state_dicts
+    name = "layers.1.attn.q_proj.weight"
+    bad = dict(psd)
+    bad[name] = psd[name].clone()
+    bad[name][0, 0] = float("nan")
+    manager = ckpt.CheckpointManager(out, policy, value)
+    with pytest.raises(ckpt.NonFiniteWeightsError, match=rf"policy: {name}") as e:
+        manager.save(1, bad, vsd, {})
+    assert "value" not in str(e.value)
+    assert _step_dirs(out) == []
+
+    bad_value = {k: v.clone() for k, v in vsd.items()}
+    bad_value["output.weight"][0] = float("inf")
+    with pytest.raises(ckpt.NonFiniteWeightsError, match=r"value: output\.weight"):
+        manager.save(1, psd, bad_value, {})
+    assert _step_dirs(out) == []
+    assert ckpt.latest_checkpoint(out) is None
+
+
+_CRASH_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from omegaconf import OmegaConf
+    from torchtune import config, training
+    from torchtune_ppo import checkpointing as ckpt
+
+    out, policy, value = sys.argv[1], *(OmegaConf.create(json.loads(a)) for a in sys.argv[2:4])
+    psd = config.instantiate(policy).load_checkpoint()[training.MODEL_KEY]
+    vsd = config.instantiate(value).load_checkpoint()[training.MODEL_KEY]
+    manager = ckpt.CheckpointManager(out, policy, value)
+    manager.save(1, psd, vsd, {"step": 1})
+    os.environ["TORCHTUNE_PPO_CRASH_DURING_SAVE"] = "after_policy"
+    manager.save(2, psd, vsd, {"step": 2})
+    print("not killed")
+""")
+
+
+def test_crash_during_save_leaves_previous_checkpoint(run, state_dicts, caplog):
+    out, policy, value = run
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TORCHTUNE_PPO_CRASH_DURING_SAVE", None)
+    args = [json.dumps(OmegaConf.to_container(b)) for b in (policy, value)]
+    proc = subprocess.run([sys.executable, "-c", _CRASH_SCRIPT, str(out), *args],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    (tmp,) = [n for n in _step_dirs(out) if n.startswith(".tmp_step_2_")]
+    assert (out / "checkpoints" / tmp / "policy").is_dir()
+    assert not (out / "checkpoints" / tmp / "value").exists()
+
+    with caplog.at_level(logging.WARNING):
+        latest = ckpt.latest_checkpoint(out)
+    assert latest == out / "checkpoints" / "step_1"
+    assert tmp in caplog.text
+    assert ckpt.load_training_state(latest) == {"step": 1}
+
+    # The next completed save removes the dead process's leftover.
+    psd, vsd = state_dicts
+    ckpt.CheckpointManager(out, policy, value).save(2, psd, vsd, {"step": 2})
+    assert _step_dirs(out) == ["step_1", "step_2"]
+
+
+def test_folder_without_valid_marker_is_skipped(run, state_dicts, caplog):
+    out, policy, value = run
+    psd, vsd = state_dicts
+    manager = ckpt.CheckpointManager(out, policy, value)
+    for step in (1, 2, 3):
+        manager.save(step, psd, vsd, {"step": step})
+    root = out / "checkpoints"
+    (root / "step_3" / ckpt.MARKER_FNAME).unlink()
+    with open(root / "step_2" / "value" / "model-00001-of-00001.safetensors", "r+b") as f:
+        f.truncate(100)
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.latest_checkpoint(out) == root / "step_1"
+    assert "step_3: no COMPLETE marker" in caplog.text
+    assert "step_2: value/model-00001-of-00001.safetensors has 100 bytes" in caplog.text
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        ckpt.checkpointer_overrides(root / "step_3")
+    assert ckpt.existing_checkpoints(out) == [root / "step_1", root / "step_2", root / "step_3"]
+
+    # Saving over an incomplete step folder replaces it.
+    manager.save(3, psd, vsd, {"step": 3})
+    assert ckpt.latest_checkpoint(out) == root / "step_3"
+    assert _step_dirs(out) == ["step_1", "step_2", "step_3"]
+
+
+def test_same_step_twice_refuses(run, state_dicts):
+    out, policy, value = run
+    psd, vsd = state_dicts
+    manager = ckpt.CheckpointManager(out, policy, value)
+    path = manager.save(4, psd, vsd, {"step": 4})
+    marker = (path / ckpt.MARKER_FNAME).read_text()
+    with pytest.raises(ckpt.CheckpointExistsError, match="step_4"):
+        manager.save(4, psd, vsd, {"step": 99})
+    assert (path / ckpt.MARKER_FNAME).read_text() == marker
+    assert ckpt.load_training_state(path) == {"step": 4}
+    assert _step_dirs(out) == ["step_4"]
+
+
+def test_prune_keeps_last_n_only_after_a_completed_save(run, state_dicts, monkeypatch):
+    out, policy, value = run
+    psd, vsd = state_dicts
+    manager = ckpt.CheckpointManager(out, policy, value, keep_last_n=2)
+    for step in (1, 2, 3):
+        manager.save(step, psd, vsd, {"step": step})
+    assert _step_dirs(out) == ["step_2", "step_3"]
+
+    # A failed save (non-finite weights, or an error while writing) prunes nothing.
+    bad = {k: v.clone() for k, v in psd.items()}
+    bad["norm.scale"][0] = float("nan")
+    with pytest.raises(ckpt.NonFiniteWeightsError):
+        manager.save(4, bad, vsd, {})
+
+    def failing_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        manager.save(4, psd, vsd, {})
+    monkeypatch.undo()
+    assert _step_dirs(out) == ["step_2", "step_3"]
+
+    manager.save(4, psd, vsd, {"step": 4})
+    assert _step_dirs(out) == ["step_3", "step_4"]
+
+
+def test_prune_keeps_the_checkpoint_a_run_resumed_from(run, state_dicts):
+    out, policy, value = run
+    psd, vsd = state_dicts
+    first = ckpt.CheckpointManager(out, policy, value).save(1, psd, vsd, {"step": 1})
+    overrides = ckpt.checkpointer_overrides(first)
+    resumed = ckpt.CheckpointManager(
+        out, OmegaConf.merge(policy, overrides["policy"]), OmegaConf.merge(value, overrides["value"]),
+        keep_last_n=1,
+    )
+    for step in (2, 3):
+        resumed.save(step, psd, vsd, {"step": step})
+    # step_1 still feeds config.json to every save; step_2 was pruned.
+    assert _step_dirs(out) == ["step_1", "step_3"]
+    assert (out / "checkpoints" / "step_3" / "policy" / "config.json").is_file()
+
+
+def test_existing_checkpoints_sees_the_old_layout(tmp_path):
+    out = tmp_path / "run"
+    (out / "policy").mkdir(parents=True)  # torchtune's checkpointer creates its output_dir
+    (out / "checkpoints" / ".tmp_step_1_123").mkdir(parents=True)
+    assert ckpt.existing_checkpoints(out) == []
+    (out / "policy" / "epoch_3").mkdir()
+    (out / "value" / "epoch_3").mkdir(parents=True)
+    assert ckpt.existing_checkpoints(out) == [out / "policy" / "epoch_3", out / "value" / "epoch_3"]
+
+
+def test_only_hf_checkpointers_and_positive_keep_last_n(run):
+    out, policy, value = run
+    meta = OmegaConf.merge(policy, {"_component_": "torchtune.training.FullModelMetaCheckpointer"})
+    with pytest.raises(TypeError, match="FullModelHFCheckpointer"):
+        ckpt.CheckpointManager(out, meta, value)
+    with pytest.raises(ValueError, match="keep_last_n"):
+        ckpt.CheckpointManager(out, policy, value, keep_last_n=0)
+    missing = OmegaConf.merge(policy, {"checkpoint_files": ["nope.safetensors"]})
+    with pytest.raises(FileNotFoundError, match="nope.safetensors"):
+        ckpt.CheckpointManager(out, missing, value)
+    assert not out.exists()  # validation writes nothing

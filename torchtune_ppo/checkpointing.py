@@ -1,0 +1,578 @@
+"""Atomic, resumable checkpoints of a PPO run.
+
+One folder per saved step, written under a temporary name and renamed into place only when
+everything in it is on disk, so a crash at any moment leaves either a complete checkpoint or
+an ignored temporary folder::
+
+    <output_dir>/checkpoints/
+        step_<N>/
+            policy/              Hugging Face format, written by torchtune's FullModelHFCheckpointer
+            value/               same, for the value model (model_type of its checkpointer, e.g. REWARD)
+            training_state.pt    the dict the recipe passes: optimizer, counters, data position, RNG
+            COMPLETE             JSON marker written last: step, every file with its size, time
+        .tmp_step_<N>_<pid>/     a save in progress, or left by a crash: never read, cleaned later
+
+The weights go through torchtune's own HF writer (model_type conversions, config.json copy,
+sharding as in the source checkpoint); a fresh writer is instantiated per save from the same
+config block with ``output_dir`` pointing into the temporary folder.
+
+Typical use in a recipe (rank 0 saves; state dicts are full, unsharded)::
+
+    if not resuming and existing_checkpoints(cfg.output_dir):
+        raise RuntimeError(...)
+    ckpt = latest_checkpoint(cfg.output_dir) if resuming else None
+    overrides = checkpointer_overrides(ckpt) if ckpt else {"policy": {}, "value": {}}
+    policy_checkpointer = config.instantiate(cfg.checkpointer, **overrides["policy"])
+    ...
+    manager = CheckpointManager(cfg.output_dir, cfg.checkpointer, cfg.value_checkpointer, keep_last_n=3)
+    manager.save(step, policy_sd, value_sd, {"optimizer": opt.state_dict(), "step": step,
+                                             "rng": capture_rng_state([sampling_generator])})
+"""
+
+import datetime
+import importlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torchtune import config, training, utils
+
+log = utils.get_logger("INFO")
+
+CHECKPOINTS_DIRNAME = "checkpoints"
+MARKER_FNAME = "COMPLETE"
+TRAINING_STATE_FNAME = "training_state.pt"
+MODEL_NAMES = ("policy", "value")
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = ".tmp_"
+_TMP_PID_RE = re.compile(r"^\.tmp_.*_(\d+)$")
+# Weight files torchtune's HF writer produces: model-00001-of-00003.safetensors (or .bin).
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.(safetensors|bin)$")
+_MAX_NAMES = 5  # parameter names listed in a non-finite error
+
+# Test hook: when TORCHTUNE_PPO_CRASH_DURING_SAVE names a point of `CheckpointManager.save`
+# (after_policy, after_value, after_training_state, before_rename), the process SIGKILLs itself
+# there, so tests can check that a crash mid-save never leaves a checkpoint that looks complete.
+_CRASH_ENV = "TORCHTUNE_PPO_CRASH_DURING_SAVE"
+
+
+class NonFiniteWeightsError(ValueError):
+    """A state dict about to be saved holds NaN or Inf values."""
+
+
+class CheckpointExistsError(FileExistsError):
+    """A complete checkpoint of this step is already on disk."""
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+class CheckpointManager:
+    """Writes ``<output_dir>/checkpoints/step_<N>`` atomically and prunes old ones.
+
+    Args:
+        output_dir (Union[str, Path]): the run's output folder.
+        policy_checkpointer (Union[DictConfig, Mapping]): config block of the policy's
+            ``FullModelHFCheckpointer`` (``cfg.checkpointer``): its ``checkpoint_dir`` supplies
+            config.json and the shard layout, its ``model_type`` the weight conversion.
+        value_checkpointer (Union[DictConfig, Mapping]): same for the value model
+            (``cfg.value_checkpointer``).
+        keep_last_n (Optional[int]): keep only the newest ``n`` complete checkpoints; older ones
+            are deleted after a save completes. ``None`` keeps all. A checkpoint that a
+            checkpointer above loads from (``checkpoint_dir`` inside it) is never deleted.
+
+    Raises:
+        TypeError: a checkpointer block is not a ``FullModelHFCheckpointer``.
+        ValueError: ``keep_last_n`` is not ``None`` or a positive int.
+        FileNotFoundError: a checkpointer's config.json or checkpoint files are missing.
+    """
+
+    def __init__(
+        self,
+        output_dir: Union[str, Path],
+        policy_checkpointer: Union[DictConfig, Mapping],
+        value_checkpointer: Union[DictConfig, Mapping],
+        *,
+        keep_last_n: Optional[int] = None,
+    ) -> None:
+        if keep_last_n is not None and (not isinstance(keep_last_n, int) or keep_last_n < 1):
+            raise ValueError(f"keep_last_n must be None or a positive int, got {keep_last_n!r}")
+        self.output_dir = Path(output_dir)
+        self.root = self.output_dir / CHECKPOINTS_DIRNAME
+        self.keep_last_n = keep_last_n
+        # Resolved, detached copies: interpolations like ${output_dir} are fixed now, and the
+        # output_dir override at save time does not touch the recipe's config.
+        self._writer_cfgs = {
+            name: _resolved_block(block, name)
+            for name, block in zip(MODEL_NAMES, (policy_checkpointer, value_checkpointer))
+        }
+        # Fail at setup, not hours later at the first save.
+        self._weight_maps = {name: _weight_map(c) for name, c in self._writer_cfgs.items()}
+
+    def save(
+        self,
+        step: int,
+        policy_state_dict: Mapping[str, torch.Tensor],
+        value_state_dict: Mapping[str, torch.Tensor],
+        training_state: Dict[str, Any],
+    ) -> Path:
+        """Write one complete checkpoint of ``step``, then prune older ones.
+
+        Nothing named ``step_<step>`` exists until every file is written and fsynced; on any
+        error the temporary folder is removed and the error re-raised.
+
+        Args:
+            step (int): the PPO step just finished; names the folder ``step_<step>``.
+            policy_state_dict (Mapping[str, torch.Tensor]): full policy state dict in torchtune
+                format (e.g. ``{k: v.detach().cpu() for k, v in model.state_dict().items()}``).
+            value_state_dict (Mapping[str, torch.Tensor]): full value model state dict.
+            training_state (Dict[str, Any]): everything else needed to resume, saved with
+                ``torch.save`` as given (optimizer state, counters, data position, RNG states
+                from :func:`capture_rng_state`).
+
+        Returns:
+            Path: the completed ``<output_dir>/checkpoints/step_<step>``.
+
+        Raises:
+            CheckpointExistsError: ``step_<step>`` is already complete on disk.
+            NonFiniteWeightsError: a floating tensor of either state dict holds NaN/Inf; nothing
+                is written.
+        """
+        step = int(step)
+        final = self.root / f"step_{step}"
+        if final.exists() and _invalid_reason(final) is None:
+            raise CheckpointExistsError(
+                f"Checkpoint {final} is already complete; refusing to overwrite it"
+            )
+        _check_finite({"policy": policy_state_dict, "value": value_state_dict})
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"{_TMP_PREFIX}step_{step}_{os.getpid()}"
+        if tmp.exists():  # left by an earlier failed save of this process (or a reused pid)
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            for name, sd in (("policy", policy_state_dict), ("value", value_state_dict)):
+                self._write_hf(name, sd, step, tmp)
+                _maybe_crash(f"after_{name}")
+            torch.save(training_state, tmp / TRAINING_STATE_FNAME)
+            _maybe_crash("after_training_state")
+            _fsync_tree(tmp)
+            _write_marker(tmp, step)
+            _maybe_crash("before_rename")
+            if final.exists():
+                # Only an incomplete folder can be here (checked above): unusable, set aside.
+                log.warning(f"Replacing incomplete checkpoint folder {final} (no valid {MARKER_FNAME})")
+                os.rename(final, self.root / f"{_TMP_PREFIX}incomplete_step_{step}_{os.getpid()}")
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log.info(f"Saved checkpoint {final}")
+        self._clean_tmp()
+        if self.keep_last_n is not None:
+            self._prune(keep=final)
+        return final
+
+    def _write_hf(self, name: str, state_dict: Mapping[str, torch.Tensor], step: int, tmp: Path) -> None:
+        """Write ``tmp/<name>/`` with torchtune's HF writer.
+
+        The writer puts files in ``<its output_dir>/epoch_<step>/``; we give it a scratch
+        ``output_dir`` inside ``tmp`` and move that folder to ``tmp/<name>``.
+        """
+        scratch = tmp / f".writer_{name}"
+        # should_load_recipe_state=False: otherwise its __init__ looks for recipe_state.pt and
+        # adapter files in output_dir (our empty scratch folder) and fails.
+        writer = config.instantiate(
+            self._writer_cfgs[name], output_dir=str(scratch), should_load_recipe_state=False
+        )
+        # torchtune fills `_weight_map` (HF key -> shard id "0001", ...) only in load_checkpoint,
+        # which would read every weight again; save_checkpoint needs it to split the shards.
+        # We rebuilt the same map from the shard headers at setup.
+        writer._weight_map = dict(self._weight_maps[name])
+        # save_checkpoint replaces the MODEL_KEY entry in place: give it a dict of our own.
+        writer.save_checkpoint({training.MODEL_KEY: dict(state_dict)}, epoch=step)
+        os.rename(scratch / f"epoch_{step}", tmp / name)
+        shutil.rmtree(scratch)
+
+    def _clean_tmp(self) -> None:
+        """Remove temporary folders left by crashed or failed saves (never a live process's)."""
+        for p in self.root.iterdir():
+            m = _TMP_PID_RE.match(p.name)
+            if m is None or not p.is_dir():
+                continue
+            pid = int(m.group(1))
+            if pid == os.getpid() or not _pid_alive(pid):
+                log.info(f"Removing leftover temporary checkpoint folder {p}")
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _prune(self, keep: Path) -> None:
+        complete = _complete_steps(self.root, warn=False)
+        kept = {p for _, p in complete[-self.keep_last_n:]} | {keep}
+        for _, path in complete:
+            if path in kept:
+                continue
+            if self._loaded_from(path):
+                log.info(f"Keeping {path}: a checkpointer loads its weights from it")
+                continue
+            # Rename first, so that a crash mid-delete leaves a tmp folder, not a broken step_*.
+            doomed = self.root / f"{_TMP_PREFIX}prune_{path.name}_{os.getpid()}"
+            os.rename(path, doomed)
+            shutil.rmtree(doomed)
+            log.info(f"Pruned checkpoint {path} (keep_last_n={self.keep_last_n})")
+
+    def _loaded_from(self, path: Path) -> bool:
+        # A writer reads config.json (and other non-weight files) from its checkpoint_dir at
+        # every save: deleting the checkpoint a run resumed from would break the next save.
+        path = path.resolve()
+        for cfg in self._writer_cfgs.values():
+            ckpt_dir = Path(cfg.checkpoint_dir).resolve()
+            if ckpt_dir == path or path in ckpt_dir.parents:
+                return True
+        return False
+
+
+def _resolved_block(block: Union[DictConfig, Mapping], name: str) -> DictConfig:
+    if isinstance(block, DictConfig):
+        block = OmegaConf.to_container(block, resolve=True)
+    block = OmegaConf.create(dict(block))
+    component = block.get("_component_", "")
+    cls = _import_component(component)
+    if not (isinstance(cls, type) and issubclass(cls, training.FullModelHFCheckpointer)):
+        raise TypeError(
+            f"{name} checkpointer: checkpoints are written in HF format by "
+            f"torchtune.training.FullModelHFCheckpointer (or a subclass), got _component_={component!r}"
+        )
+    return block
+
+
+def _import_component(path: str) -> Any:
+    module, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def _weight_map(cfg: DictConfig) -> Dict[str, str]:
+    """HF key -> shard id ``"0001"``, ... exactly as torchtune's ``load_checkpoint`` builds it.
+
+    Shards are the checkpoint files sorted by path (torchtune's order); only the headers are read.
+    """
+    files = cfg.checkpoint_files
+    if not isinstance(files, (list, tuple)) and not OmegaConf.is_list(files):
+        # {filename_format: model-{}-of-{}.safetensors, max_filename: "00004"}
+        files = training.FormattedCheckpointFiles.from_dict(dict(files)).build_checkpoint_filenames()
+    ckpt_dir = Path(cfg.checkpoint_dir)
+    if not (ckpt_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{ckpt_dir / 'config.json'} not found (checkpoint_dir={ckpt_dir})")
+    weight_map = {}
+    for idx, path in enumerate(sorted(ckpt_dir / f for f in files)):
+        if not path.is_file():
+            raise FileNotFoundError(f"Checkpoint file {path} not found")
+        for key in _tensor_names(path):
+            weight_map[key] = f"{idx + 1:04}"
+    return weight_map
+
+
+def _tensor_names(path: Path) -> List[str]:
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    # .bin / .pt: mmap so that only the pickled index is read eagerly.
+    return list(torch.load(path, map_location="cpu", mmap=True, weights_only=True).keys())
+
+
+def _check_finite(state_dicts: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+    """Raise :class:`NonFiniteWeightsError` naming every model with NaN/Inf and its first params."""
+    problems = []
+    for model, sd in state_dicts.items():
+        bad, count = [], 0
+        for key, t in sd.items():
+            if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                count += 1
+                if len(bad) < _MAX_NAMES:
+                    bad.append(key)
+        if count:
+            more = f" and {count - len(bad)} more" if count > len(bad) else ""
+            problems.append(f"{model}: {', '.join(bad)}{more}")
+    if problems:
+        raise NonFiniteWeightsError(
+            "Refusing to save a checkpoint with non-finite (NaN/Inf) weights in "
+            + "; ".join(problems)
+        )
+
+
+def _maybe_crash(point: str) -> None:
+    if os.environ.get(_CRASH_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file, then every folder (children before parents) under ``root``."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for fname in filenames:
+            fd = os.open(os.path.join(dirpath, fname), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _write_marker(folder: Path, step: int) -> None:
+    """Write ``COMPLETE`` last: the step, every file with its size, the weight files per model."""
+    files = {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+    marker = {
+        "step": step,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "files": files,
+        "checkpoint_files": {
+            name: sorted(p.name for p in (folder / name).iterdir() if _SHARD_RE.match(p.name))
+            for name in MODEL_NAMES
+        },
+    }
+    path = folder / MARKER_FNAME
+    with open(path, "w") as f:
+        json.dump(marker, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+# ----------------------------------------------------------------------------- discovery
+
+
+def _read_marker(folder: Path) -> Dict[str, Any]:
+    with open(Path(folder) / MARKER_FNAME) as f:
+        return json.load(f)
+
+
+def _invalid_reason(folder: Path) -> Optional[str]:
+    """``None`` if ``folder`` is a complete checkpoint, else why not."""
+    m = _STEP_RE.match(folder.name)
+    if m is None:
+        return "name is not step_<N>"
+    try:
+        marker = _read_marker(folder)
+    except FileNotFoundError:
+        return f"no {MARKER_FNAME} marker (save interrupted?)"
+    except (OSError, ValueError) as e:
+        return f"unreadable {MARKER_FNAME} marker ({e})"
+    if not isinstance(marker, dict):
+        return f"{MARKER_FNAME} marker is not a JSON object"
+    if marker.get("step") != int(m.group(1)):
+        return f"{MARKER_FNAME} marker is for step {marker.get('step')}"
+    for rel, size in marker.get("files", {}).items():
+        p = folder / rel
+        if not p.is_file():
+            return f"{rel} listed in {MARKER_FNAME} is missing"
+        if p.stat().st_size != size:
+            return f"{rel} has {p.stat().st_size} bytes, {MARKER_FNAME} says {size}"
+    for name in MODEL_NAMES:
+        if not marker.get("checkpoint_files", {}).get(name):
+            return f"{MARKER_FNAME} lists no {name} weight files"
+    return None
+
+
+def _complete_steps(root: Path, warn: bool = True) -> List[Tuple[int, Path]]:
+    """``[(N, path)]`` of complete ``step_<N>`` folders under ``root``, sorted by N."""
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m is None or not p.is_dir():
+            continue
+        reason = _invalid_reason(p)
+        if reason is None:
+            out.append((int(m.group(1)), p))
+        elif warn:
+            log.warning(f"Skipping checkpoint folder {p}: {reason}")
+    return sorted(out)
+
+
+def latest_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
+    """The newest complete checkpoint of a run.
+
+    ``step_*`` folders without a valid marker are skipped with a warning naming them, and
+    leftover temporary folders of interrupted saves are reported and ignored.
+
+    Args:
+        output_dir (Union[str, Path]): the run's output folder.
+
+    Returns:
+        Optional[Path]: ``<output_dir>/checkpoints/step_<N>`` with the largest N that is
+        complete, or ``None`` if there is none.
+    """
+    root = Path(output_dir) / CHECKPOINTS_DIRNAME
+    if not root.is_dir():
+        return None
+    for p in sorted(root.iterdir()):
+        if p.name.startswith(_TMP_PREFIX) and p.is_dir():
+            log.warning(f"Ignoring {p}: an interrupted save; it is removed by the next save")
+    complete = _complete_steps(root)
+    return complete[-1][1] if complete else None
+
+
+def existing_checkpoints(output_dir: Union[str, Path]) -> List[Path]:
+    """Every checkpoint folder in ``output_dir``, complete or not, that a fresh run would clobber.
+
+    Covers ``checkpoints/step_*`` and the older layout ``policy/epoch_*``, ``value/epoch_*``
+    written by torchtune's checkpointers directly. Temporary folders are not counted.
+
+    Args:
+        output_dir (Union[str, Path]): the run's output folder.
+
+    Returns:
+        List[Path]: sorted paths; empty when a fresh run may start there.
+    """
+    output_dir = Path(output_dir)
+    found = []
+    for parent, pattern in ((CHECKPOINTS_DIRNAME, "step_*"), ("policy", "epoch_*"), ("value", "epoch_*")):
+        found += [p for p in (output_dir / parent).glob(pattern) if p.is_dir()]
+    return sorted(found)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _require_complete(checkpoint: Union[str, Path]) -> Path:
+    checkpoint = Path(checkpoint)
+    reason = _invalid_reason(checkpoint)
+    if reason is not None:
+        raise ValueError(f"{checkpoint} is not a complete checkpoint: {reason}")
+    return checkpoint
+
+
+def load_training_state(checkpoint: Union[str, Path], *, weights_only: bool = True) -> Dict[str, Any]:
+    """The ``training_state`` dict given to :meth:`CheckpointManager.save`, on CPU.
+
+    Args:
+        checkpoint (Union[str, Path]): a complete ``step_<N>`` folder.
+        weights_only (bool): passed to ``torch.load``; tensors, containers and Python scalars
+            (including ``random.getstate()``) load with the default ``True``.
+
+    Returns:
+        Dict[str, Any]: the saved dict.
+
+    Raises:
+        ValueError: ``checkpoint`` is not complete.
+    """
+    checkpoint = _require_complete(checkpoint)
+    return torch.load(checkpoint / TRAINING_STATE_FNAME, map_location="cpu", weights_only=weights_only)
+
+
+def checkpointer_overrides(checkpoint: Union[str, Path]) -> Dict[str, Dict[str, Any]]:
+    """Checkpointer arguments that load the weights of a saved checkpoint.
+
+    Use with the run's own checkpointer blocks, which keep ``model_type`` and ``output_dir``:
+    ``config.instantiate(cfg.checkpointer, **overrides["policy"])`` and
+    ``config.instantiate(cfg.value_checkpointer, **overrides["value"])``.
+
+    Args:
+        checkpoint (Union[str, Path]): a complete ``step_<N>`` folder.
+
+    Returns:
+        Dict[str, Dict[str, Any]]: ``{"policy": {"checkpoint_dir": str, "checkpoint_files":
+        [str, ...]}, "value": {...}}``.
+
+    Raises:
+        ValueError: ``checkpoint`` is not complete.
+    """
+    checkpoint = _require_complete(checkpoint)
+    files = _read_marker(checkpoint)["checkpoint_files"]
+    return {
+        name: {"checkpoint_dir": str(checkpoint / name), "checkpoint_files": list(files[name])}
+        for name in MODEL_NAMES
+    }
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def capture_rng_state(generators: Sequence[torch.Generator] = ()) -> Dict[str, Any]:
+    """Every random state a run draws from, for ``training_state``.
+
+    Args:
+        generators (Sequence[torch.Generator]): the run's own generators (e.g. the sampling
+            generator), in an order :func:`restore_rng_state` will be given again.
+
+    Returns:
+        Dict[str, Any]: torch's global CPU state, CUDA states of all devices (when CUDA is
+        available), Python ``random``'s state and each generator's state.
+    """
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "generators": [g.get_state() for g in generators],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any], generators: Sequence[torch.Generator] = ()) -> None:
+    """Restore what :func:`capture_rng_state` returned, so the next draws repeat.
+
+    Args:
+        state (Mapping[str, Any]): from :func:`capture_rng_state` (possibly via torch.load).
+        generators (Sequence[torch.Generator]): the same generators, in the same order.
+
+    Raises:
+        ValueError: the number of generators differs from the captured one.
+    """
+    if len(generators) != len(state["generators"]):
+        raise ValueError(
+            f"RNG state holds {len(state['generators'])} generators, {len(generators)} given"
+        )
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuple(state["python"]))
+    for g, s in zip(generators, state["generators"]):
+        g.set_state(s)
+    cuda = state.get("cuda")
+    if cuda is not None:
+        if torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            log.warning(f"CUDA RNG states of {len(cuda)} devices not restored: {count} devices here")
+
+
+def _as_tuple(x: Any) -> Any:
+    # random.setstate needs tuples; a state that went through JSON or a list-converting
+    # serializer comes back as lists.
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
