@@ -1,12 +1,26 @@
 """A bad config stops in validation, before any weights are read, with a message naming the key."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from omegaconf import OmegaConf
+from torchtune import config as tt_config
 
 import torchtune_ppo  # noqa: F401  (registers the ppo_asset resolver)
-from torchtune_ppo.config import CompileConfig, parse_compile, validate_config
+from torchtune_ppo.config import (
+    CompileConfig,
+    check_cli_overrides,
+    check_compile_mode,
+    check_device,
+    check_sampling,
+    instantiate_dataset,
+    parse_compile,
+    validate_config,
+    validate_dataset,
+    validate_with_tokenizer,
+)
 
 CONFIG = Path(__file__).parents[1] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
 
@@ -66,9 +80,256 @@ def test_missing_required_key():
 def test_compile_bare_bool_and_mapping():
     assert parse_compile(True) == CompileConfig(True, True, True)
     assert parse_compile(False) == CompileConfig(False, False, False)
-    assert parse_compile({"loss_step": True}) == CompileConfig(False, False, True)
-    assert parse_compile({"generate": True, "mode": "reduce-overhead"}).mode == "reduce-overhead"
+    full = dict(generate=False, trajectory=False, loss_step=True, rollout=False)
+    assert parse_compile(full) == CompileConfig(False, False, True)
+    assert parse_compile({**full, "mode": "reduce-overhead"}).mode == "reduce-overhead"
     with pytest.raises(ValueError, match=r"compile.mode must be one of"):
-        parse_compile({"mode": "fast"})
+        parse_compile({**full, "mode": "fast"})
     with pytest.raises(ValueError, match=r"compile.trajectory must be true or false"):
-        parse_compile({"trajectory": "yes"})
+        parse_compile({**full, "trajectory": "yes"})
+
+
+# --- compile overrides ---------------------------------------------------------------------
+
+
+def test_partial_compile_block_from_the_command_line_is_refused():
+    # `compile=True compile.generate=False` over a YAML with a bare bool: OmegaConf keeps only
+    # {generate: False}, which must not silently mean "only generation named, the rest off".
+    cfg = _cfg()
+    cfg.compile = True
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(["compile=True", "compile.generate=False"]))
+    assert OmegaConf.to_container(cfg.compile) == {"generate": False}
+    with pytest.raises(ValueError) as info:
+        validate_config(cfg)
+    message = str(info.value)
+    assert "compile: the block {generate: False}" in message
+    assert "['trajectory', 'loss_step', 'rollout']" in message
+    assert "compile={generate: False, trajectory: True, loss_step: True, rollout: False}" in message
+    assert "compile=True|False" in message
+
+
+def test_bool_and_dotted_compile_on_one_command_line_is_refused():
+    # Over the tiny YAML's full block the merge is complete, so only the command line shows it.
+    check_cli_overrides(["--config", "x.yaml", "compile=True", "num_steps=3"])
+    check_cli_overrides(["compile.generate=False", "compile.trajectory=True"])
+    with pytest.raises(ValueError) as info:
+        check_cli_overrides(["--config", "x.yaml", "compile=True", "compile.generate=False"])
+    assert "compile=True and compile.generate=False on one command line" in str(info.value)
+    assert (
+        "compile.generate=False compile.trajectory=True compile.loss_step=True "
+        "compile.rollout=False" in str(info.value)
+    )
+
+
+# --- numbers and ranges --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key, value, pattern",
+    [
+        ("kl_coeff", "'0.1x'", r"kl_coeff must be a number >= 0, got '0.1x' \(a string\)"),
+        ("kl_coeff", -0.1, r"kl_coeff must be a number >= 0, got -0.1"),
+        ("clip_grad_norm", True, r"clip_grad_norm must be null or a number > 0, got True \(a bool\)"),
+        ("clip_grad_norm", 0, r"clip_grad_norm must be null or a number > 0, got 0"),
+        ("reward_penalty", "low", r"reward_penalty must be a number .*got 'low'"),
+        ("temperature", "hot", r"temperature must be a number > 0.*got 'hot'"),
+        ("temperature", True, r"temperature must be a number > 0.*got True \(a bool\)"),
+        ("gamma", 1.5, r"gamma must be a number in \[0, 1\], got 1.5"),
+        ("gamma", ".nan", r"gamma must be a number in \[0, 1\], got nan"),
+        ("lmbda", -0.1, r"lmbda must be a number in \[0, 1\], got -0.1"),
+        ("loss.epsilon", 0, r"loss.epsilon must be a number > 0 .*got 0"),
+        ("loss.epsilon", "'0.1x'", r"loss.epsilon must be a number > 0 .*got '0.1x' \(a string\)"),
+        ("loss.value_clip_range", -1, r"loss.value_clip_range must be a number > 0, got -1"),
+        ("loss.value_coeff", -0.5, r"loss.value_coeff must be a number >= 0, got -0.5"),
+        ("min_response_length", 25, r"min_response_length \(25\) must not exceed max_generated_tokens \(24\)"),
+        ("top_k", True, r"top_k must be null or an integer >= 1, got True \(a bool\)"),
+        ("shuffle", "'False'", r"shuffle must be true or false, got 'False' \(a string\)"),
+    ],
+)
+def test_numbers_must_be_numbers_in_range(key, value, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        validate_config(_cfg(**{key: value}))
+
+
+def test_ints_are_fine_for_floats_and_null_clip_grad_norm():
+    cfg = validate_config(_cfg(gamma=1, lmbda=0, kl_coeff=0, clip_grad_norm="null", temperature=2))
+    assert cfg.gamma == 1 and cfg.clip_grad_norm is None
+    assert validate_config(_cfg(min_response_length=24)).min_response_length == 24
+
+
+def test_loss_component_block_is_checked_without_instantiating_and_keeps_its_defaults():
+    cfg = _cfg()
+    cfg.loss = {"_component_": "torchtune.rlhf.loss.PPOLoss", "value_coeff": 0.5}
+    loss = validate_config(cfg).loss
+    # torchtune's PPOLoss defaults epsilon to 0.1: a torchtune config leaving it out means 0.1.
+    assert (loss.epsilon, loss.value_clip_range, loss.value_coeff) == (0.1, 0.2, 0.5)
+    cfg.loss = {"_component_": "torchtune.rlhf.loss.PPOLoss", "epsilon": -0.2}
+    with pytest.raises(ValueError, match=r"loss.epsilon must be a number > 0 .*got -0.2"):
+        validate_config(cfg)
+    cfg.loss = {"_component_": "torchtune.rlhf.loss.PPOLoss", "epsilom": 0.2}
+    pattern = r"loss: unknown key\(s\) \['epsilom'\] for torchtune.rlhf.loss.PPOLoss"
+    with pytest.raises(ValueError, match=pattern):
+        validate_config(cfg)
+    cfg.loss = {"epsilom": 0.2}
+    with pytest.raises(ValueError, match=r"loss: unknown key\(s\) \['epsilom'\]; valid keys are"):
+        validate_config(cfg)
+
+
+# --- one definition of the sampling and compile-mode checks --------------------------------
+
+
+def test_sampling_and_compile_mode_checks_take_a_prefix():
+    check_sampling(0.7, 50, 0.9)
+    check_sampling(1, None, 1)
+    with pytest.raises(ValueError, match=r"^Generator: temperature must be a number > 0 .*got 0\.$"):
+        check_sampling(0, None, None, prefix="Generator: ")
+    with pytest.raises(ValueError, match=r"^top_k must be null or an integer >= 1, got 0\.$"):
+        check_sampling(1.0, 0, None)
+    pattern = r"^sampling.top_p must be null or a number in \(0, 1\], got 0\.0\.$"
+    with pytest.raises(ValueError, match=pattern):
+        check_sampling(1.0, None, 0.0, prefix="sampling.")
+    check_compile_mode("reduce-overhead")
+    pattern = r"^Generator: compile_mode must be one of \['default', .*got 'fast'"
+    with pytest.raises(ValueError, match=pattern):
+        check_compile_mode("fast", key="Generator: compile_mode")
+
+
+# --- device --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_device_without_cuda_is_refused(monkeypatch, device):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=rf"device is '{device}' but this machine has no cuda device"):
+        validate_config(_cfg(device=device))
+
+
+def test_cuda_index_beyond_the_visible_devices_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device("cuda:1")
+    with pytest.raises(ValueError, match=r"device is 'cuda:2' but only 2 cuda device\(s\) are visible"):
+        check_device("cuda:2")
+
+
+def test_unavailable_mps_and_unknown_devices_are_refused(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device is 'mps' but this machine has no mps device"):
+        validate_config(_cfg(device="mps"))
+    for bad in ("gpu", "meta", "cuda:x"):
+        with pytest.raises(ValueError, match=rf"device must be one of cpu, cuda, cuda:N, .*got '{bad}'"):
+            check_device(bad)
+    check_device("cpu")
+    check_device(None)
+
+
+# --- stop tokens ---------------------------------------------------------------------------
+
+
+def test_stop_token_outside_the_policy_vocabulary_is_refused():
+    # The tiny policy has 512 embeddings, read from a build on the meta device.
+    validate_config(_cfg(stop_token_ids="[2,511]"))
+    pattern = r"stop_token_ids \[512\] are outside policy_model's vocabulary \[0, 512\)"
+    with pytest.raises(ValueError, match=pattern):
+        validate_config(_cfg(stop_token_ids="[2,512]"))
+
+
+def test_stop_token_equal_to_pad_id_is_refused():
+    cfg = validate_config(_cfg())
+    tokenizer = _tokenizer()
+    validate_with_tokenizer(cfg, tokenizer)  # eos 2, pad 0
+    cfg.stop_token_ids = [2, tokenizer.pad_id]
+    with pytest.raises(ValueError, match=r"stop_token_ids \[2, 0\] contains 0, the tokenizer's pad_id"):
+        validate_with_tokenizer(cfg, tokenizer)
+    with pytest.raises(ValueError, match=r"has no integer pad_id"):
+        validate_with_tokenizer(cfg, SimpleNamespace(pad_id=None))
+
+
+# --- dataset -------------------------------------------------------------------------------
+
+
+def _prompts(*lengths):
+    return [{"tokens": list(range(1, n + 1))} for n in lengths]
+
+
+def test_long_prompts_error_names_count_indices_limit_and_fix():
+    cfg = validate_config(_cfg(batch_size=4, forward_batch_size=4, ppo_batch_size=4, long_prompts="error"))
+    data = _prompts(3, 13, 12, 20, 1, 14, 15, 16, 17, 18)
+    with pytest.raises(ValueError) as info:
+        validate_dataset(data, cfg)
+    message = str(info.value)
+    assert "7 of 10 prompts are longer than max_prompt_len=12" in message
+    assert "#1 (13 tokens), #3 (20 tokens), #5 (14 tokens), #6 (15 tokens), #7 (16 tokens), ..." in message
+    assert "Raise max_prompt_len to 20" in message and "long_prompts=truncate" in message
+    cfg.long_prompts = "truncate"
+    assert validate_dataset(data, cfg) == 7
+    assert validate_dataset(_prompts(*[12] * 4), cfg) == 0
+
+
+def test_empty_prompt_and_small_dataset_are_refused():
+    cfg = validate_config(_cfg(batch_size=4, forward_batch_size=4, ppo_batch_size=4))
+    with pytest.raises(ValueError, match=r"dataset: prompt 2 has 0 tokens"):
+        validate_dataset(_prompts(3, 4, 0, 5), cfg)
+    with pytest.raises(ValueError, match=r"dataset has 3 prompts, fewer than batch_size \(4\)"):
+        validate_dataset(_prompts(3, 4, 5), cfg)
+
+
+def test_shipped_dataset_loads_and_fits(tmp_path):
+    cfg = validate_config(_cfg())
+    cfg.dataset.cache_dir = str(tmp_path / "hf")
+    dataset = instantiate_dataset(cfg.dataset, _tokenizer())
+    assert validate_dataset(dataset, cfg) == 0
+
+
+@pytest.mark.parametrize(
+    "name, text, position",
+    [
+        ("broken.json", '[\n{"prompt": "a"},\n{"prompt": "b",\n{"prompt": "c"}\n]\n', "line 4, column 1"),
+        ("broken.jsonl", '{"prompt": "a"}\n{"prompt": "b"\n{"prompt": "c"}\n', "line 2, column 15"),
+    ],
+)
+def test_malformed_data_file_names_the_file_and_position(tmp_path, name, text, position):
+    path = tmp_path / name
+    path.write_text(text)
+    cfg = _cfg()
+    cfg.dataset.data_files = str(path)
+    cfg.dataset.cache_dir = str(tmp_path / "hf")
+    with pytest.raises(ValueError) as info:
+        instantiate_dataset(cfg.dataset, _tokenizer())
+    message = str(info.value)
+    assert f"dataset.data_files: {str(path)!r} is not valid JSON: {position}" in message
+
+
+def test_missing_column_names_it_and_lists_the_columns(tmp_path):
+    cfg = _cfg()
+    cfg.dataset.column = "text"
+    cfg.dataset.cache_dir = str(tmp_path / "hf")
+    pattern = r"dataset.column: 'text' is not a column of the data; its columns are \['prompt'\]"
+    with pytest.raises(ValueError, match=pattern):
+        instantiate_dataset(cfg.dataset, _tokenizer())
+    del cfg.dataset["column"]  # text_completion_dataset's default is "text" as well
+    with pytest.raises(ValueError, match=r"dataset.column \(default\): 'text' is not a column"):
+        instantiate_dataset(cfg.dataset, _tokenizer())
+
+
+# --- new keys ------------------------------------------------------------------------------
+
+
+def test_new_keys_have_defaults_and_are_checked():
+    cfg = validate_config(_cfg())
+    assert cfg.max_consecutive_skipped_steps == 3 and cfg.keep_last_n_checkpoints is None
+    cfg = validate_config(_cfg(keep_last_n_checkpoints=2, save_every_n_steps=5))
+    assert cfg.keep_last_n_checkpoints == 2 and cfg.save_every_n_steps == 5
+    for key, value, valid in [
+        ("max_consecutive_skipped_steps", 0, "a positive integer, got 0"),
+        ("max_consecutive_skipped_steps", "null", "a positive integer, got None"),
+        ("keep_last_n_checkpoints", 0, "null or a positive integer, got 0"),
+        ("keep_last_n_checkpoints", True, r"null or a positive integer, got True \(a bool\)"),
+        ("save_every_n_steps", -1, "null or a positive integer, got -1"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^{key} must be {valid}\.$"):
+            validate_config(_cfg(**{key: value}))
+
+
+def _tokenizer():
+    return tt_config.instantiate(_cfg().tokenizer)
