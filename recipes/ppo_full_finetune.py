@@ -16,8 +16,9 @@ One PPO step reads as:
 import sys
 import time
 from contextlib import contextmanager
+from functools import partial
 from itertools import chain
-from typing import Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -28,11 +29,19 @@ from tqdm import tqdm
 
 from torchtune_ppo import rlhf
 from torchtune_ppo._compile import RecompileCounter, maybe_compile
-from torchtune_ppo.config import parse_compile, validate_config
+from torchtune_ppo.config import (
+    check_cli_overrides,
+    instantiate_dataset,
+    parse_compile,
+    validate_config,
+    validate_dataset,
+    validate_with_tokenizer,
+)
 from torchtune_ppo.data import left_pad_prompts
 from torchtune_ppo.generation import Generator
 from torchtune_ppo.loss_step import ppo_loss_step
-from torchtune_ppo.trajectory import ModelReward, Trajectory, rollout, score_trajectory
+from torchtune_ppo.rollout import Rollout
+from torchtune_ppo.trajectory import ModelReward, Trajectory
 
 log = utils.get_logger("INFO")
 
@@ -88,14 +97,16 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._recompiles = RecompileCounter()
         self.steps_run = 0
         self.epochs_run = 0
-        self._collate_truncated = 0  # prompts cut to max_prompt_len in the current batch
 
     def setup(self, cfg: DictConfig) -> None:
         self._metric_logger = self._setup_metric_logger(cfg)
         self._metric_logger.log_config(cfg)
         self._tokenizer = config.instantiate(cfg.tokenizer)
+        validate_with_tokenizer(cfg, self._tokenizer)
         self._pad_id = self._tokenizer.pad_id
         self._stop_token_ids = torch.tensor(list(cfg.stop_token_ids), device=self._device)
+        # Every prompt is read and checked before any weights load.
+        self._sampler, self._dataloader = self._setup_data(cfg)
 
         self._policy_checkpointer, self._policy_model = self._setup_model(
             cfg.policy_model, cfg.checkpointer, trainable=True, cfg=cfg
@@ -109,15 +120,13 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         _, reward_model = self._setup_model(
             cfg.reward_and_value_model, cfg.reward_checkpointer, trainable=False, cfg=cfg
         )
-        self._reward_fn = ModelReward(reward_model)
 
         self._optimizer = config.instantiate(
             cfg.optimizer,
             chain(self._policy_model.parameters(), self._value_model.parameters()),
         )
-        self._loss_cfg = self._setup_loss(cfg.loss)
-        self._sampler, self._dataloader = self._setup_data(cfg)
-        self._generator = Generator(
+        self._epsilon, self._value_clip_range, self._value_coeff = self._setup_loss(cfg.loss)
+        generator = Generator(
             self._policy_model,
             batch_size=self._forward_batch_size,
             max_prompt_len=self._prompt_len,
@@ -127,29 +136,28 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             temperature=self._temperature,
             top_k=cfg.top_k,
             top_p=cfg.top_p,
-            compile=self._compile.generate,
+            compiled=self._compile.generate and not self._compile.rollout,
             compile_mode=self._compile.mode,
             dtype=self._dtype,
             device=self._device,
         )
-        self._score_trajectory = maybe_compile(
-            score_trajectory, enabled=self._compile.trajectory, mode="default"
-        )
-        self._rollout = maybe_compile(rollout, enabled=self._compile.rollout, mode="default")
         if self._compile.rollout and (self._compile.generate or self._compile.trajectory):
             log.warning("compile.rollout compiles steps 1-6 as one region; "
                         "compile.generate and compile.trajectory are unused.")
-        self._ppo_loss_step = maybe_compile(
-            ppo_loss_step, enabled=self._compile.loss_step, mode="default"
-        )
-        self._traj_kwargs = dict(
-            prompt_len=self._prompt_len,
+        self._rollout = Rollout(
+            generator,
+            self._ref_policy_model,
+            self._value_model,
+            ModelReward(reward_model),
+            self._stop_token_ids,
             pad_id=self._pad_id,
-            temperature=self._temperature,
             penalise_no_eos=cfg.penalise_no_eos,
             min_response_length=cfg.min_response_length,
-            reward_penalty=float(cfg.reward_penalty),
+            reward_penalty=cfg.reward_penalty,
+            compile_trajectory=self._compile.trajectory and not self._compile.rollout,
+            fused=self._compile.rollout,
         )
+        self._ppo_loss_step = maybe_compile(ppo_loss_step, enabled=self._compile.loss_step)
         log.info(f"Compiled regions: {self._compile}")
 
     def _setup_metric_logger(self, cfg: DictConfig):
@@ -177,85 +185,42 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             model.requires_grad_(False)
         return checkpointer, model
 
-    def _setup_loss(self, cfg_loss: DictConfig) -> Dict[str, float]:
+    def _setup_loss(self, cfg_loss: DictConfig) -> Tuple[float, float, float]:
         # Accepts torchtune's `_component_: torchtune.rlhf.loss.PPOLoss` block or plain keys.
         loss = config.instantiate(cfg_loss) if "_component_" in cfg_loss else cfg_loss
-        return {
-            "epsilon": float(loss.epsilon),
-            "value_clip_range": float(loss.value_clip_range),
-            "value_coeff": float(loss.value_coeff),
-        }
+        return float(loss.epsilon), float(loss.value_clip_range), float(loss.value_coeff)
 
     def _setup_data(self, cfg: DictConfig) -> Tuple[DistributedSampler, DataLoader]:
-        dataset = config.instantiate(cfg.dataset, tokenizer=self._tokenizer)
-        if len(dataset) < self._batch_size:
-            raise ValueError(
-                f"dataset has {len(dataset)} prompts, fewer than batch_size ({self._batch_size})."
-            )
+        dataset = instantiate_dataset(cfg.dataset, self._tokenizer)
+        num_long = validate_dataset(dataset, cfg)
+        if num_long:
+            log.info(f"{num_long} of {len(dataset)} prompts are longer than max_prompt_len="
+                     f"{self._prompt_len}; their last {self._prompt_len} tokens are kept.")
         sampler = DistributedSampler(
             dataset, num_replicas=1, rank=0, shuffle=cfg.shuffle, seed=self.seed
         )
-        collate = _PromptCollator(self._prompt_len, self._pad_id, cfg.long_prompts)
+        collate = partial(
+            left_pad_prompts,
+            max_prompt_len=self._prompt_len,
+            pad_id=self._pad_id,
+            long_prompts=cfg.long_prompts,
+        )
         loader = DataLoader(
             dataset, batch_size=self._batch_size, sampler=sampler, drop_last=True, collate_fn=collate
         )
         return sampler, loader
-
-    def generate_trajectory(self, prompts: torch.Tensor, timer: PhaseTimer) -> Trajectory:
-        """Steps 1-6 for ``prompts`` [B, P], in chunks of ``forward_batch_size``."""
-        chunks = prompts.split(self._forward_batch_size)
-        if self._compile.rollout:
-            return self._rollout_trajectory(chunks, timer)
-        with timer("generate"):
-            outputs = [self._generator.generate(chunk, rng=self._rng) for chunk in chunks]
-        with timer("score"), torch.no_grad():
-            trajectories = [
-                self._score_trajectory(
-                    out.query_responses,
-                    out.logprobs,
-                    None,
-                    self._ref_policy_model,
-                    self._value_model,
-                    self._reward_fn,
-                    self._stop_token_ids,
-                    **self._traj_kwargs,
-                )
-                for out in outputs
-            ]
-        return Trajectory(*map(torch.cat, zip(*trajectories)))
-
-    def _rollout_trajectory(self, chunks: Tuple[torch.Tensor, ...], timer: PhaseTimer) -> Trajectory:
-        # Steps 1-6 in one compiled region: all of it is timed as "generate".
-        trajectories = []
-        with timer("generate"), torch.no_grad():
-            for chunk in chunks:
-                with self._generator.attached():
-                    noise = self._generator.prepare_unrolled(chunk, rng=self._rng)
-                    trajectories.append(
-                        self._rollout(
-                            self._generator,
-                            noise,
-                            self._ref_policy_model,
-                            self._value_model,
-                            self._reward_fn,
-                            self._stop_token_ids,
-                            **self._traj_kwargs,
-                        )
-                    )
-        timer.times["score"] = 0.0
-        return Trajectory(*map(torch.cat, zip(*trajectories)))
 
     def ppo_update(
         self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor, timer: PhaseTimer
     ) -> List[rlhf.PPOStats]:
         """``ppo_epochs`` passes over shuffled minibatches, accumulating gradients per minibatch."""
         stats = []
-        micro = self._ppo_batch_size // self._grad_accum
+        micro_batch_size = self._ppo_batch_size // self._grad_accum
         for _ in range(self._ppo_epochs):
             order = torch.randperm(self._batch_size, device=self._device)
             for minibatch in order.split(self._ppo_batch_size):
                 with timer("loss_step"):
-                    for idxs in minibatch.split(micro):
+                    for idxs in minibatch.split(micro_batch_size):
                         stats.append(self._loss_and_backward(trajectory, advantages, returns, idxs))
                 with timer("optimizer"):
                     if self._clip_grad_norm is not None:
@@ -284,16 +249,34 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             returns[idxs],
             prompt_len=self._prompt_len,
             temperature=self._temperature,
+            epsilon=self._epsilon,
+            value_clip_range=self._value_clip_range,
+            value_coeff=self._value_coeff,
             loss_scale=1.0 / self._grad_accum,
-            **self._loss_cfg,
         )
         loss.backward()
         return stats
 
-    def train_step(self, prompts: torch.Tensor) -> Dict[str, float]:
-        """One PPO step on a batch of prompts; returns its metrics."""
+    def train_step(
+        self, prompts: torch.Tensor, prompt_lens: torch.Tensor, num_truncated: int
+    ) -> Dict[str, float]:
+        """One PPO step on ``prompts [B, P]`` of real lengths ``prompt_lens [B]``; returns its metrics.
+
+        ``num_truncated``, the prompts the collator cut to ``max_prompt_len``, is only logged.
+        """
         timer = PhaseTimer(self._device)
-        trajectory = self.generate_trajectory(prompts, timer)
+        with timer("step"):
+            trajectory = self._rollout(prompts, prompt_lens, self._rng, timer)
+            advantages, returns, kl, kl_rewards = self.estimate_advantages(trajectory, timer)
+            stats = self.ppo_update(trajectory, advantages, returns, timer)
+        metrics = self._step_metrics(trajectory, stats, kl, kl_rewards, timer.times)
+        metrics["prompts_truncated"] = float(num_truncated)
+        return metrics
+
+    def estimate_advantages(
+        self, trajectory: Trajectory, timer: PhaseTimer
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """KL-penalised rewards, then GAE: ``advantages, returns, kl, kl_rewards``, each ``[B, T]``."""
         with timer("advantages"), torch.no_grad():
             valid = ~trajectory.response_padding_masks
             rewards, kl, kl_rewards = rlhf.get_rewards_ppo(
@@ -307,8 +290,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             advantages, returns = rlhf.estimate_advantages(
                 trajectory.values, rewards, self._gamma, self._lmbda, valid
             )
-        stats = self.ppo_update(trajectory, advantages, returns, timer)
-        return self._step_metrics(trajectory, stats, kl, kl_rewards, timer.times)
+        return advantages, returns, kl, kl_rewards
 
     def _step_metrics(
         self,
@@ -322,7 +304,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         per_minibatch = rlhf.PPOStats(*(torch.stack(s) for s in zip(*stats)))
         per_minibatch = rlhf.PPOStats(*(s.view(-1, self._grad_accum).sum(1) for s in per_minibatch))
         b, s = trajectory.query_responses.shape
-        traj_time = times["generate"] + times["score"]
+        traj_time = times["generate"] + times.get("score", 0.0)
         ppo_time = times["loss_step"] + times["optimizer"]
         metrics = {
             "scores": trajectory.scores.mean(),
@@ -341,35 +323,30 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             "tokens_per_second_per_gpu_trajectory": b * s / traj_time,
             "tokens_per_second_per_gpu_ppo": self._ppo_epochs * b * s / ppo_time,
             "generated_tokens_per_second": trajectory.seq_lens.sum() / times["generate"],
-            "prompts_truncated": self._collate_truncated,
             "recompiles": self._recompiles.since_mark,
         }
         metrics.update({f"time/{k}": v for k, v in times.items()})
-        metrics["time/step"] = sum(times.values())
         if self._log_peak_memory_stats:
             metrics.update(training.get_memory_stats(device=self._device))
         return {k: float(v) for k, v in metrics.items()}
 
-    def train(self) -> None:
+    def train(self, on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> None:
+        """Runs PPO steps until ``num_steps``; ``on_step(step, metrics)`` is called after each."""
         pbar = tqdm(total=self._num_steps, initial=self.steps_run, desc="PPO", dynamic_ncols=True)
         while self.steps_run < self._num_steps:
             self._sampler.set_epoch(self.epochs_run)
             for batch in self._dataloader:
-                self._collate_truncated = int(batch["num_truncated"])
-                metrics = self.train_step(batch["tokens"].to(self._device))
+                metrics = self.train_step(
+                    batch["tokens"].to(self._device),
+                    batch["prompt_lens"].to(self._device),
+                    int(batch["num_truncated"]),
+                )
                 self.steps_run += 1
                 if self.steps_run == 1:
                     self._recompiles.mark()  # everything after the first step must reuse its graphs
-                if self.steps_run % self._log_every_n_steps == 0:
-                    self._metric_logger.log_dict(metrics, step=self.steps_run)
-                pbar.update(1)
-                pbar.set_postfix(
-                    reward=f"{metrics['scores']:.3f}",
-                    kl=f"{metrics['kl']:.3f}",
-                    gen=f"{metrics['time/generate']:.2f}s",
-                    score=f"{metrics['time/score']:.2f}s",
-                    ppo=f"{metrics['time/loss_step'] + metrics['time/optimizer']:.2f}s",
-                )
+                self._log(metrics, pbar)
+                if on_step is not None:
+                    on_step(self.steps_run, metrics)
                 if self._save_every_n_steps and self.steps_run % self._save_every_n_steps == 0:
                     self.save_checkpoint(self.steps_run)
                 if self.steps_run == self._num_steps:
@@ -378,6 +355,18 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                 self.epochs_run += 1
         pbar.close()
         self.save_checkpoint(self.steps_run)
+
+    def _log(self, metrics: Dict[str, float], pbar: tqdm) -> None:
+        if self.steps_run % self._log_every_n_steps == 0:
+            self._metric_logger.log_dict(metrics, step=self.steps_run)
+        pbar.update(1)
+        pbar.set_postfix(
+            reward=f"{metrics['scores']:.3f}",
+            kl=f"{metrics['kl']:.3f}",
+            gen=f"{metrics['time/generate']:.2f}s",
+            score=f"{metrics.get('time/score', 0.0):.2f}s",
+            ppo=f"{metrics['time/loss_step'] + metrics['time/optimizer']:.2f}s",
+        )
 
     def save_checkpoint(self, step: int) -> None:
         """Write the policy and value models in HF format to ``<output_dir>/{policy,value}/epoch_<step>``."""
@@ -392,20 +381,9 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._metric_logger.close()
 
 
-class _PromptCollator:
-    """Picklable collate function for the DataLoader (see :func:`left_pad_prompts`)."""
-
-    def __init__(self, max_prompt_len: int, pad_id: int, long_prompts: str):
-        self.max_prompt_len, self.pad_id, self.long_prompts = max_prompt_len, pad_id, long_prompts
-
-    def __call__(self, batch):
-        return left_pad_prompts(
-            batch, max_prompt_len=self.max_prompt_len, pad_id=self.pad_id, long_prompts=self.long_prompts
-        )
-
-
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
+    check_cli_overrides(sys.argv[1:])
     cfg = validate_config(cfg)
     config.log_config(recipe_name="PPOFullFinetuneRecipe", cfg=cfg)
     recipe = PPOFullFinetuneRecipe(cfg=cfg)

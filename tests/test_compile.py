@@ -22,3 +22,43 @@ def test_recompile_counter_sees_a_recompile():
     assert counter.since_mark == 0
     g(torch.ones(5))  # new static shape: a recompile
     assert counter.since_mark == 1
+
+
+def _global_compile_config():
+    """Dynamo and inductor settings, without entries whose copies never compare equal."""
+    configs = {}
+    for name, cfg in (("dynamo", torch._dynamo.config), ("inductor", torch._inductor.config)):
+        first, second = cfg.get_config_copy(), cfg.get_config_copy()
+        configs.update({f"{name}.{k}": v for k, v in first.items() if v == second[k]})
+    return configs
+
+
+def test_compiling_our_regions_leaves_global_dynamo_config_alone():
+    """A user's own torch.compile calls after ours must see the defaults they expect."""
+    from torchtune_ppo._compile import skip_guard_checks
+
+    before = _global_compile_config()
+
+    def f(x, *, scale):
+        return x * scale
+
+    g = maybe_compile(f, enabled=True)
+    g(torch.ones(3), scale=0.5)
+    with skip_guard_checks(True):  # only for regions compiled already
+        g(torch.ones(3), scale=0.5)
+    after = _global_compile_config()
+    assert len(before) > 100  # the settings are really read
+    assert {k: v for k, v in after.items() if before.get(k) != v} == {}
+
+
+def test_float_arguments_stay_constants_without_global_settings():
+    # dynamic=False specializes Python floats: a new value is a new graph, never a symbol.
+    def f(x, *, scale):
+        return x * scale
+
+    g = maybe_compile(f, enabled=True)
+    torch.testing.assert_close(g(torch.ones(2), scale=0.5), torch.full((2,), 0.5))
+    counter = RecompileCounter()
+    counter.mark()
+    torch.testing.assert_close(g(torch.ones(2), scale=2.0), torch.full((2,), 2.0))
+    assert counter.since_mark == 1

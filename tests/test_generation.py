@@ -11,7 +11,8 @@ import torch
 from torchtune import generation as tt_generation
 from torchtune.models.llama3_2._component_builders import llama3_2
 
-from torchtune_ppo.generation import GenerationOutput, Generator, sample
+from torchtune_ppo.generation import GenerationOutput, Generator
+from torchtune_ppo.sampling import sample
 
 VOCAB, P, T, BATCH, PAD = 128, 10, 12, 4, 0
 SAMPLING = dict(temperature=0.7, top_k=40, top_p=0.9)
@@ -49,6 +50,11 @@ def left_padded(lengths, seed: int = 0) -> torch.Tensor:
     return prompts
 
 
+def lens(prompts: torch.Tensor) -> torch.Tensor:
+    """[b] real lengths of prompts from :func:`left_padded` (whose tokens are never PAD)."""
+    return (prompts != PAD).sum(-1)
+
+
 def full_forward_logprobs(model, out: GenerationOutput, prompts, temperature) -> torch.Tensor:
     """[b, T] logprobs of the responses from one no-cache forward over the whole sequence."""
     qr = out.query_responses
@@ -75,13 +81,13 @@ def model():
 @pytest.fixture(scope="module")
 def greedy_compiled(model):
     return Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T,
-                     pad_id=PAD, stop_token_ids=[], top_k=1, compile=True)
+                     pad_id=PAD, stop_token_ids=[], top_k=1, compiled=True)
 
 
 @pytest.fixture(scope="module")
 def sampling_compiled(model):
     return Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T,
-                     pad_id=PAD, stop_token_ids=[5, 17], compile=True, stop_check_every=4,
+                     pad_id=PAD, stop_token_ids=[5, 17], compiled=True, stop_check_every=4,
                      **SAMPLING)
 
 
@@ -117,7 +123,7 @@ def test_greedy_matches_torchtune(model, greedy_compiled, compiled):
         stop_token_ids=[], top_k=1,
     )
     prompts = left_padded([P, 4, 7])  # one full-length row, b < batch_size
-    out = gen.generate(prompts)
+    out = gen.generate(prompts, lens(prompts))
     expected, _ = tt_generation.generate(
         model, prompts, max_generated_tokens=T, pad_id=PAD, top_k=1
     )
@@ -132,7 +138,7 @@ def test_greedy_matches_torchtune(model, greedy_compiled, compiled):
 def test_logprobs_match_full_forward(model, sampling_eager, sampling_compiled, compiled):
     gen = sampling_compiled if compiled else sampling_eager
     prompts = left_padded([3, P, 1, 6], seed=1)
-    out = gen.generate(prompts, rng=torch.Generator().manual_seed(0))
+    out = gen.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(0))
     assert out.logits is None and out.logprobs.dtype == torch.float32
     valid = up_to_stop(out.query_responses[:, P:], gen.stop_token_ids)
     reference = full_forward_logprobs(model, out, prompts, SAMPLING["temperature"])
@@ -142,7 +148,7 @@ def test_logprobs_match_full_forward(model, sampling_eager, sampling_compiled, c
 
 def test_return_logits(model, sampling_eager):
     prompts = left_padded([5, 2], seed=2)
-    out = sampling_eager.generate(prompts, rng=torch.Generator().manual_seed(0),
+    out = sampling_eager.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(0),
                                   return_logits=True)
     assert out.logits.shape == (2, T, VOCAB)
     valid = up_to_stop(out.query_responses[:, P:], sampling_eager.stop_token_ids)
@@ -155,9 +161,9 @@ def test_seeded_sampling(model):
     gen = Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T,
                     pad_id=PAD, stop_token_ids=[], temperature=1.0, top_k=50, top_p=0.95)
     prompts = left_padded([P, 4, 8, 2], seed=3)
-    a = gen.generate(prompts, rng=torch.Generator().manual_seed(7))
-    b = gen.generate(prompts, rng=torch.Generator().manual_seed(7))
-    c = gen.generate(prompts, rng=torch.Generator().manual_seed(8))
+    a = gen.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(7))
+    b = gen.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(7))
+    c = gen.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(8))
     assert torch.equal(a.query_responses, b.query_responses)
     assert torch.equal(a.logprobs, b.logprobs)
     assert not torch.equal(a.query_responses, c.query_responses)
@@ -165,8 +171,8 @@ def test_seeded_sampling(model):
 
 def test_eager_and_compiled_agree(sampling_eager, sampling_compiled):
     prompts = left_padded([2, 9, P], seed=4)
-    eager = sampling_eager.generate(prompts, rng=torch.Generator().manual_seed(3))
-    compiled = sampling_compiled.generate(prompts, rng=torch.Generator().manual_seed(3))
+    eager = sampling_eager.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(3))
+    compiled = sampling_compiled.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(3))
     torch.testing.assert_close(compiled.query_responses, eager.query_responses, rtol=0, atol=0)
     torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=0, atol=1e-5)
 
@@ -175,30 +181,32 @@ def test_stop_tokens_pad_after_first_stop(model):
     kwargs = dict(batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD,
                   top_k=1)
     prompts = left_padded([P, 3, 6, 8], seed=5)
-    free = Generator(model, stop_token_ids=[], **kwargs).generate(prompts)
+    free = Generator(model, stop_token_ids=[], **kwargs).generate(prompts, lens(prompts))
     stop = int(free.query_responses[0, P + 3])  # row 0 stops at response index <= 3
-    out = Generator(model, stop_token_ids=[stop], **kwargs).generate(prompts)
+    out = Generator(model, stop_token_ids=[stop], **kwargs).generate(prompts, lens(prompts))
     assert out.query_responses.shape == (4, P + T)
     keep = up_to_stop(free.query_responses[:, P:], [stop])
     expected = torch.where(keep, free.query_responses[:, P:], PAD)
     torch.testing.assert_close(out.query_responses[:, P:], expected, rtol=0, atol=0)
     torch.testing.assert_close(out.query_responses[:, :P], prompts, rtol=0, atol=0)
-    assert not keep[0, 4:].any()  # the stop token itself is kept, then padding
+    first = int((free.query_responses[0, P:] == stop).nonzero()[0])
+    assert int(out.query_responses[0, P + first]) == stop  # the stop token itself is kept
+    assert (out.query_responses[0, P + first + 1 :] == PAD).all()  # then padding
 
 
 def test_early_exit_when_all_rows_stop(model):
     kwargs = dict(batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD,
                   top_k=1)
     prompts = left_padded([4, 5], seed=6)  # b < batch_size: two all-pad filler rows
-    firsts = Generator(model, stop_token_ids=[], **kwargs).generate(prompts).query_responses[:, P]
+    firsts = Generator(model, stop_token_ids=[], **kwargs).generate(prompts, lens(prompts)).query_responses[:, P]
     filler = Generator(model, stop_token_ids=[], **kwargs).generate(
-        torch.full((1, P), PAD)).query_responses[0, P]
+        torch.full((1, P), PAD), torch.zeros(1, dtype=torch.long)).query_responses[0, P]
     assert filler not in firsts  # so the filler rows never stop
     gen = Generator(model, stop_token_ids=firsts.tolist(), stop_check_every=2, **kwargs)
     calls = []
     decode = gen._decode
     gen._decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
-    out = gen.generate(prompts)
+    out = gen.generate(prompts, lens(prompts))
     assert len(calls) == 1  # step 1 runs, step 2 checks the real rows and stops
     assert out.query_responses.shape == (2, P + T)
     assert torch.equal(out.query_responses[:, P], firsts)
@@ -212,7 +220,7 @@ def test_all_pad_row_is_finite_and_isolated(model):
     prompts = left_padded([6, 3, P], seed=7)
     with_pad_row = prompts.clone()
     with_pad_row[1] = PAD
-    a, b = gen.generate(prompts), gen.generate(with_pad_row)
+    a, b = gen.generate(prompts, lens(prompts)), gen.generate(with_pad_row, lens(with_pad_row))
     assert torch.isfinite(b.logprobs).all()
     for row in (0, 2):
         assert torch.equal(a.query_responses[row], b.query_responses[row])
@@ -223,7 +231,7 @@ def test_single_generated_token(model):
     gen = Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=1,
                     pad_id=PAD, stop_token_ids=[3], top_k=1)
     prompts = left_padded([P, 2], seed=8)
-    out = gen.generate(prompts)
+    out = gen.generate(prompts, lens(prompts))
     expected, _ = tt_generation.generate(model, prompts, max_generated_tokens=1, pad_id=PAD,
                                          top_k=1)
     assert out.query_responses.shape == (2, P + 1) and out.logprobs.shape == (2, 1)
@@ -232,7 +240,7 @@ def test_single_generated_token(model):
 
 def test_model_left_cache_free_and_mode_restored(model, sampling_eager):
     model.train()
-    sampling_eager.generate(left_padded([4], seed=9), rng=torch.Generator().manual_seed(0))
+    sampling_eager.generate(left_padded([4], seed=9), torch.tensor([4]), rng=torch.Generator().manual_seed(0))
     assert model.training and all(m.training for m in model.modules())
     assert not model.caches_are_enabled() and not model.caches_are_setup()
     # With no cache attached, mask=None means causal again (torchtune drops is_causal whenever
@@ -247,10 +255,10 @@ def test_chunked_output_model(model, sampling_eager):
     # A policy set up for chunked cross-entropy still generates, and keeps its setting.
     prompts = left_padded([4, 7], seed=11)
     rng = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    plain = sampling_eager.generate(prompts, rng=rng())
+    plain = sampling_eager.generate(prompts, lens(prompts), rng=rng())
     model.set_num_output_chunks(2)
     try:
-        chunked = sampling_eager.generate(prompts, rng=rng())
+        chunked = sampling_eager.generate(prompts, lens(prompts), rng=rng())
         assert model.num_output_chunks == 2
     finally:
         model.set_num_output_chunks(0)
@@ -261,9 +269,9 @@ def test_invalid_arguments(model, sampling_eager):
     for bad in (torch.zeros(P, dtype=torch.long), torch.zeros(2, P + 1, dtype=torch.long),
                 torch.zeros(BATCH + 1, P, dtype=torch.long), torch.zeros(0, P, dtype=torch.long)):
         with pytest.raises(ValueError, match=r"prompts must have shape \[b, max_prompt_len\]"):
-            sampling_eager.generate(bad)
+            sampling_eager.generate(bad, lens(bad))
     with pytest.raises(ValueError, match="prompts must be int64"):
-        sampling_eager.generate(torch.zeros(2, P))
+        sampling_eager.generate(torch.zeros(2, P), torch.full((2,), P))
     for kwargs, name in ((dict(temperature=0.0), "temperature"), (dict(top_p=1.5), "top_p"),
                          (dict(top_k=0), "top_k"), (dict(max_generated_tokens=60), "max_seq_len"),
                          (dict(stop_token_ids=[VOCAB]), "stop_token_ids")):
@@ -287,17 +295,48 @@ def test_zero_recompiles_across_batches_and_training(model, sampling_eager, samp
         optimizer.step()
         optimizer.zero_grad()
 
-    sampling_compiled.generate(left_padded([P, 1], seed=10), rng=torch.Generator().manual_seed(0))
+    sampling_compiled.generate(left_padded([P, 1], seed=10), torch.tensor([P, 1]), rng=torch.Generator().manual_seed(0))
     graphs = counters["stats"]["unique_graphs"]
     batches = [[P, 1, 5, 7], [2, 2, 3, 9], [P, P, P, P], [1, 4], [6, 8, 3, 1]]  # one short batch
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed, lengths in enumerate(batches):
             train_step()
             prompts = left_padded(lengths, seed=20 + seed)
-            out = sampling_compiled.generate(prompts, rng=torch.Generator().manual_seed(seed))
+            out = sampling_compiled.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(seed))
             assert out.query_responses.shape == (len(lengths), P + T)
     assert counters["stats"]["unique_graphs"] == graphs
     # Still the eager twin's tokens after five optimizer steps.
-    eager = sampling_eager.generate(prompts, rng=torch.Generator().manual_seed(seed))
+    eager = sampling_eager.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(seed))
     torch.testing.assert_close(out.query_responses, eager.query_responses, rtol=0, atol=0)
     torch.testing.assert_close(out.logprobs, eager.logprobs, rtol=0, atol=1e-5)
+
+
+def test_pad_id_inside_a_prompt_is_a_real_token(model):
+    """Padding is told by length: a prompt holding the pad id as a real token (e.g. <unk> = 0 in
+    Llama-2 tokenizers) generates exactly as the same prompt with an ordinary token there, when
+    the model cannot tell the two ids apart."""
+    ordinary = 7
+    twin = tiny_model()
+    with torch.no_grad():  # give the pad id the ordinary token's embedding (and output row)
+        twin.tok_embeddings.weight[PAD] = twin.tok_embeddings.weight[ordinary]
+    gen = Generator(twin, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T,
+                    pad_id=PAD, stop_token_ids=[], top_k=1)
+    prompts = left_padded([6, P, 4], seed=12)
+    with_pad = prompts.clone()
+    with_pad[0, P - 3] = PAD  # mid-prompt
+    with_pad[1, 0] = PAD  # first token of a full-length prompt
+    with_pad[2, P - 4] = PAD  # first token of a short prompt
+    replaced = torch.where((with_pad == PAD) & (torch.arange(P) >= P - lens(prompts)[:, None]),
+                           ordinary, with_pad)
+    a = gen.generate(with_pad, lens(prompts))
+    b = gen.generate(replaced, lens(prompts))
+    torch.testing.assert_close(a.query_responses[:, P:], b.query_responses[:, P:], rtol=0, atol=0)
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
+
+
+def test_invalid_prompt_lens(sampling_eager):
+    prompts = left_padded([3, 4])
+    for bad in (torch.tensor([3]), torch.tensor([3.0, 4.0]), torch.tensor([3, P + 1]),
+                torch.tensor([-1, 4])):
+        with pytest.raises(ValueError, match="prompt_lens"):
+            sampling_eager.generate(prompts, bad)

@@ -23,7 +23,7 @@ def _inputs(seed=0):
     responses[0, 3:] = PAD_ID
     pad = torch.zeros(B, T, dtype=torch.bool)
     pad[0, 3:] = True
-    masks, pos = masks_and_positions(prompts, T, PAD_ID)
+    masks, pos = masks_and_positions(torch.tensor([6, 2, 4, 1]), P, T)
     valid = ~pad
     return dict(
         query_responses=torch.cat([prompts, responses], 1),

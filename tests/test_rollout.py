@@ -5,12 +5,12 @@ import torch
 from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_policy
 from torchtune_ppo._compile import maybe_compile
 from torchtune_ppo.generation import Generator
-from torchtune_ppo.trajectory import ModelReward, rollout, score_trajectory
+from torchtune_ppo.rollout import fused_rollout
+from torchtune_ppo.trajectory import ModelReward, score_trajectory
 
 P, T, B = 6, 4, 3
 STOP = torch.tensor([EOS_ID])
-KW = dict(prompt_len=P, pad_id=PAD_ID, temperature=1.0, penalise_no_eos=True,
-          min_response_length=None, reward_penalty=-3.0)
+KW = dict(pad_id=PAD_ID, penalise_no_eos=True, min_response_length=None, reward_penalty=-3.0)
 
 
 def _setup(top_k):
@@ -27,12 +27,14 @@ def _setup(top_k):
 @torch.no_grad()
 def test_greedy_rollout_equals_generate_then_score():
     gen, ref, value, reward = _setup(top_k=1)
-    prompts = left_padded_prompts([6, 2, 4], P, seed=5)
-    out = gen.generate(prompts)
-    split = score_trajectory(out.query_responses, out.logprobs, None, ref, value, reward, STOP, **KW)
-    with gen.attached():
-        noise = gen.prepare_unrolled(prompts)
-        whole = rollout(gen, noise, ref, value, reward, STOP, **KW)
+    lens = torch.tensor([6, 2, 4])
+    prompts = left_padded_prompts(lens.tolist(), P, seed=5)
+    out = gen.generate(prompts, lens)
+    split = score_trajectory(out.query_responses, lens, out.logprobs, None, ref, value, reward, STOP,
+                             prompt_len=P, temperature=1.0, **KW)
+    with gen.kv_cache.decoding():
+        gen.prepare(prompts, lens)
+        whole = fused_rollout(gen, gen.draw_noise(None, steps=T), lens, ref, value, reward, STOP, **KW)
     for name, a, b in zip(split._fields, split, whole):
         if a.is_floating_point():
             torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
@@ -43,15 +45,16 @@ def test_greedy_rollout_equals_generate_then_score():
 @torch.no_grad()
 def test_compiled_rollout_equals_eager():
     gen, ref, value, reward = _setup(top_k=None)
-    compiled = maybe_compile(rollout, enabled=True)
+    compiled = maybe_compile(fused_rollout, enabled=True)
+    lens = torch.tensor([1, 6, 3])
     for seed in (0, 1):  # the second batch reuses the graph
-        prompts = left_padded_prompts([1, 6, 3], P, seed=seed)
+        prompts = left_padded_prompts(lens.tolist(), P, seed=seed)
         results = []
-        for fn in (rollout, compiled):
-            with gen.attached():
-                gen.prepare_unrolled(prompts)
-                noise = torch.empty(T, B, 64).exponential_(generator=torch.Generator().manual_seed(seed))
-                results.append(fn(gen, noise, ref, value, reward, STOP, **KW))
+        for fn in (fused_rollout, compiled):
+            with gen.kv_cache.decoding():
+                gen.prepare(prompts, lens)
+                noise = gen.draw_noise(torch.Generator().manual_seed(seed), steps=T)
+                results.append(fn(gen, noise, lens, ref, value, reward, STOP, **KW))
         eager, comp = results
         for name, a, b in zip(eager._fields, eager, comp):
             if a.is_floating_point():

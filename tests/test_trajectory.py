@@ -3,7 +3,7 @@
 import torch
 from torchtune import generation, rlhf as tt_rlhf
 
-from conftest import EOS_ID, PAD_ID, left_padded_prompts
+from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_policy
 from torchtune_ppo.trajectory import ModelReward, masks_and_positions, score_trajectory
 
 P, T = 6, 5
@@ -12,8 +12,11 @@ KW = dict(prompt_len=P, pad_id=PAD_ID, temperature=0.7, penalise_no_eos=True,
           min_response_length=None, reward_penalty=-3.0)
 
 
+LENS = torch.tensor([6, 3, 1, 4])
+
+
 def _batch():
-    prompts = left_padded_prompts([6, 3, 1, 4], P, seed=3)
+    prompts = left_padded_prompts(LENS.tolist(), P, seed=3)
     responses = torch.tensor([
         [5, 6, EOS_ID, 7, 8],   # stop at 2: tokens after it become pad
         [9, 10, 11, 12, 13],    # no stop token: penalised
@@ -25,7 +28,7 @@ def _batch():
 
 def test_masks_and_positions_match_torchtune():
     prompts = left_padded_prompts([6, 3, 0, 1], P)
-    masks, pos = masks_and_positions(prompts, T, PAD_ID)
+    masks, pos = masks_and_positions(torch.tensor([6, 3, 0, 1]), P, T)
     valid = torch.nn.functional.pad(prompts != PAD_ID, (0, T), value=True)
     torch.testing.assert_close(masks, generation.get_causal_mask_from_padding_mask(valid))
     torch.testing.assert_close(pos, generation.get_position_ids_from_padding_mask(valid).long())
@@ -52,7 +55,7 @@ def test_score_trajectory_matches_reference(models):
     policy, ref, value, reward = models
     prompts, qr = _batch()
     gen_logprobs = torch.randn(4, T)
-    traj = score_trajectory(qr, gen_logprobs, None, ref, value, ModelReward(reward), STOP, **KW)
+    traj = score_trajectory(qr, LENS, gen_logprobs, None, ref, value, ModelReward(reward), STOP, **KW)
     exp_qr, exp_pad, exp_ref, exp_values, exp_scores, exp_lens = _reference(prompts, qr, ref, value, reward)
 
     torch.testing.assert_close(traj.query_responses, exp_qr)
@@ -72,10 +75,15 @@ def test_score_trajectory_matches_reference(models):
 
 @torch.no_grad()
 def test_policy_logprobs_computed_when_not_given(models):
-    policy, ref, value, reward = models
-    _, qr = _batch()
-    traj = score_trajectory(qr, None, ref, ref, value, ModelReward(reward), STOP, **KW)
-    torch.testing.assert_close(traj.logprobs, traj.ref_logprobs)
+    _, ref, value, reward = models
+    policy = tiny_policy(seed=5)  # other weights than the reference
+    prompts, qr = _batch()
+    traj = score_trajectory(qr, LENS, None, policy, ref, value, ModelReward(reward), STOP, **KW)
+    _, pad_masks, *_ = _reference(prompts, qr, ref, value, reward)
+    exp_qr, _, expected, *_ = _reference(prompts, qr, policy, value, reward)
+    valid = ~pad_masks
+    torch.testing.assert_close(traj.logprobs, expected * valid, atol=1e-5, rtol=0)
+    assert (traj.logprobs - traj.ref_logprobs).abs().max() > 1e-2  # not the reference's
 
 
 @torch.no_grad()
@@ -85,8 +93,9 @@ def test_scores_do_not_depend_on_left_padding(models):
     response = torch.tensor([20, 21, EOS_ID, 22, 23])
     padded = torch.cat([torch.full((P - 3,), PAD_ID), prompt, response]).unsqueeze(0)
     unpadded = torch.cat([prompt, response]).unsqueeze(0)
-    a = score_trajectory(padded, None, ref, ref, value, ModelReward(reward), STOP, **KW)
-    b = score_trajectory(unpadded, None, ref, ref, value, ModelReward(reward), STOP, **{**KW, "prompt_len": 3})
+    a = score_trajectory(padded, torch.tensor([3]), None, ref, ref, value, ModelReward(reward), STOP, **KW)
+    b = score_trajectory(unpadded, torch.tensor([3]), None, ref, ref, value, ModelReward(reward), STOP,
+                         **{**KW, "prompt_len": 3})
     torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=0)
     torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=0)
     torch.testing.assert_close(a.ref_logprobs, b.ref_logprobs, atol=1e-5, rtol=0)
@@ -100,7 +109,7 @@ def test_compiled_trajectory_equals_eager(models):
     _, ref, value, reward = models
     prompts, qr = _batch()
     gen_logprobs = torch.randn(4, T)
-    args = (qr, gen_logprobs, None, ref, value, ModelReward(reward), STOP)
+    args = (qr, LENS, gen_logprobs, None, ref, value, ModelReward(reward), STOP)
     eager = score_trajectory(*args, **KW)
     compiled = maybe_compile(score_trajectory, enabled=True)(*args, **KW)
     for name, e, c in zip(eager._fields, eager, compiled):

@@ -21,13 +21,16 @@ def left_pad_prompts(
         long_prompts (str): ``"truncate"`` or ``"error"``.
 
     Returns:
-        Dict[str, torch.Tensor]: ``"tokens"`` int64 ``[b, P]`` and ``"num_truncated"``, the
-        number of prompts that were cut, as a 0-dim tensor.
+        Dict[str, torch.Tensor]: ``"tokens"`` int64 ``[b, P]``; ``"prompt_lens"`` int64 ``[b]``,
+        the real tokens of each row (padding is told by length, never by token value: the
+        pad id can be a real token); ``"num_truncated"``, the number of prompts that were
+        cut, as a 0-dim tensor.
 
     Raises:
         ValueError: a prompt is longer than ``max_prompt_len`` and ``long_prompts="error"``.
     """
     tokens = torch.full((len(batch), max_prompt_len), pad_id, dtype=torch.long)
+    prompt_lens = torch.zeros(len(batch), dtype=torch.long)
     num_truncated = 0
     for i, sample in enumerate(batch):
         ids = list(sample["tokens"])
@@ -41,4 +44,5 @@ def left_pad_prompts(
             num_truncated += 1
         if ids:
             tokens[i, max_prompt_len - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-    return {"tokens": tokens, "num_truncated": torch.tensor(num_truncated)}
+        prompt_lens[i] = len(ids)
+    return {"tokens": tokens, "prompt_lens": prompt_lens, "num_truncated": torch.tensor(num_truncated)}

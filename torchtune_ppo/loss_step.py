@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from torchtune_ppo import rlhf
-from torchtune_ppo.trajectory import response_logprobs
 
 
 def ppo_loss_step(
@@ -60,9 +59,9 @@ def ppo_loss_step(
     valid = ~response_padding_masks
     responses = query_responses[:, prompt_len:]
     pi_logits = policy_model(query_responses, mask=masks, input_pos=position_ids)
-    pi_logprobs = response_logprobs(pi_logits, responses, prompt_len, temperature) * valid
+    pi_logprobs = rlhf.response_logprobs(pi_logits, responses, prompt_len, temperature) * valid
     phi_values = value_model(query_responses, mask=masks, input_pos=position_ids)
-    phi_values = phi_values[:, prompt_len - 1 : -1, 0].float() * valid
+    phi_values = rlhf.response_values(phi_values, prompt_len) * valid
 
     loss, policy_loss, value_loss, ratios, clipfrac = rlhf.ppo_loss(
         old_logprobs,

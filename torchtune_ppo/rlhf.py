@@ -28,6 +28,23 @@ def masked_mean(
     return (x * mask).sum(dim=dim) / mask.sum(dim=dim).clamp(min=1.0)
 
 
+def response_logprobs(
+    logits: torch.Tensor, responses: torch.Tensor, prompt_len: int, temperature: float
+) -> torch.Tensor:
+    """Logprobs of ``responses [b, T]`` under full-sequence ``logits [b, P + T, V]`` -> ``[b, T]``.
+
+    The logits at position ``i`` predict token ``i + 1``, so the response's come from
+    positions ``P - 1 .. P + T - 2``.
+    """
+    logits = logits[:, prompt_len - 1 : -1].float() / temperature
+    return torch.gather(torch.log_softmax(logits, dim=-1), 2, responses.unsqueeze(-1)).squeeze(-1)
+
+
+def response_values(values: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Value estimates of the states before each response token: ``[b, P + T, 1]`` -> ``[b, T]``."""
+    return values[:, prompt_len - 1 : -1, 0].float()
+
+
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Shift and scale ``x`` to zero mean and unit (unbiased) variance over valid positions.
 

@@ -8,7 +8,6 @@ the same shapes, so it compiles once.
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchtune_ppo import rlhf
@@ -46,38 +45,30 @@ RewardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], to
 
 
 def masks_and_positions(
-    prompt_tokens: torch.Tensor, response_len: int, pad_id: int
+    prompt_lens: torch.Tensor, prompt_len: int, response_len: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Causal attention masks and position ids for left-padded prompts followed by responses.
 
-    Only prompt padding is masked: tokens after a stop token never influence earlier
-    positions in a causal model, and their outputs are masked downstream.
+    Padding is told by each prompt's real length, never by a token value. Only prompt padding
+    is masked: tokens after a stop token never influence earlier positions in a causal model,
+    and their outputs are masked downstream.
 
     Args:
-        prompt_tokens (torch.Tensor): left-padded prompts ``[b, P]``.
+        prompt_lens (torch.Tensor): real tokens of each prompt ``[b]``.
+        prompt_len (int): ``P``, the padded prompt width.
         response_len (int): ``T``.
-        pad_id (int): padding id of the prompts.
 
     Returns:
         Tuple[torch.Tensor, torch.Tensor]: bool masks ``[b, P + T, P + T]`` (the diagonal is
         always True so all-pad rows stay finite) and int64 position ids ``[b, P + T]``.
     """
-    b, p = prompt_tokens.shape
-    s = p + response_len
-    valid = F.pad(prompt_tokens != pad_id, (0, response_len), value=True)  # [b, S]
-    causal = torch.ones(s, s, dtype=torch.bool, device=valid.device).tril()
-    eye = torch.eye(s, dtype=torch.bool, device=valid.device)
-    masks = (causal & valid[:, None, :]) | eye
+    s = prompt_len + response_len
+    cols = torch.arange(s, device=prompt_lens.device)
+    valid = cols >= (prompt_len - prompt_lens)[:, None]  # [b, S]
+    causal = cols[None, :] <= cols[:, None]  # [S, S]
+    masks = (causal & valid[:, None, :]) | torch.eye(s, dtype=torch.bool, device=valid.device)
     position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)
     return masks, position_ids
-
-
-def response_logprobs(
-    logits: torch.Tensor, responses: torch.Tensor, prompt_len: int, temperature: float
-) -> torch.Tensor:
-    """Logprobs of ``responses`` under full-sequence ``logits`` ``[b, P + T, V]`` -> ``[b, T]``."""
-    logits = logits[:, prompt_len - 1 : -1].float() / temperature
-    return torch.gather(F.log_softmax(logits, dim=-1), 2, responses.unsqueeze(-1)).squeeze(-1)
 
 
 class ModelReward:
@@ -93,6 +84,7 @@ class ModelReward:
 
 def score_trajectory(
     query_responses: torch.Tensor,
+    prompt_lens: torch.Tensor,
     logprobs: Optional[torch.Tensor],
     policy_model: Optional[nn.Module],
     ref_policy_model: nn.Module,
@@ -111,6 +103,7 @@ def score_trajectory(
 
     Args:
         query_responses (torch.Tensor): left-padded prompts then generated tokens ``[b, P + T]``.
+        prompt_lens (torch.Tensor): real tokens of each prompt ``[b]``; the rest is padding.
         logprobs (Optional[torch.Tensor]): policy logprobs from the generator ``[b, T]``; when
             None they are computed with ``policy_model`` (step 2).
         policy_model (Optional[nn.Module]): the policy, used only when ``logprobs`` is None.
@@ -129,7 +122,7 @@ def score_trajectory(
         Trajectory: the scored batch.
     """
     prompts, responses = query_responses[:, :prompt_len], query_responses[:, prompt_len:]
-    masks, position_ids = masks_and_positions(prompts, responses.shape[1], pad_id)
+    masks, position_ids = masks_and_positions(prompt_lens, prompt_len, responses.shape[1])
 
     # step 4 first: truncate after the first stop token, so every later step sees the final tokens
     response_padding_masks, responses = rlhf.truncate_after_stop_token(
@@ -142,13 +135,14 @@ def score_trajectory(
     # step 2: policy and reference logprobs of the responses
     if logprobs is None:
         logits = policy_model(query_responses, mask=masks, input_pos=position_ids)
-        logprobs = response_logprobs(logits, responses, prompt_len, temperature)
+        logprobs = rlhf.response_logprobs(logits, responses, prompt_len, temperature)
     ref_logits = ref_policy_model(query_responses, mask=masks, input_pos=position_ids)
-    ref_logprobs = response_logprobs(ref_logits, responses, prompt_len, temperature)
+    ref_logprobs = rlhf.response_logprobs(ref_logits, responses, prompt_len, temperature)
 
     # step 3: values of the states before each response token
-    values = value_model(query_responses, mask=masks, input_pos=position_ids)
-    values = values[:, prompt_len - 1 : -1, 0].float()  # [b, T]
+    values = rlhf.response_values(
+        value_model(query_responses, mask=masks, input_pos=position_ids), prompt_len
+    )
 
     # step 5: score the truncated pairs at each row's last valid token, then penalties
     scores = reward_fn(query_responses, masks, position_ids, prompt_len + seq_lens - 1)
@@ -173,33 +167,4 @@ def score_trajectory(
         response_padding_masks=response_padding_masks,
         scores=scores,
         seq_lens=seq_lens,
-    )
-
-
-def rollout(
-    generator,
-    noise: Optional[torch.Tensor],
-    ref_policy_model: nn.Module,
-    value_model: nn.Module,
-    reward_fn: RewardFn,
-    stop_token_ids: torch.Tensor,
-    **score_kwargs,
-) -> Trajectory:
-    """Steps 1-6 as one function: unrolled generation, then :func:`score_trajectory`.
-
-    Compiled as a single region when ``compile.rollout`` is on (the RFC's option 2, no separate
-    decode compile). ``generator`` is a :class:`~torchtune_ppo.generation.Generator` already
-    loaded with :meth:`~torchtune_ppo.generation.Generator.prepare_unrolled`, inside its
-    ``attached()`` context; there is no early stop, every row runs all ``T`` steps.
-    """
-    query_responses, logprobs = generator.unrolled(noise)
-    return score_trajectory(
-        query_responses,
-        logprobs,
-        None,
-        ref_policy_model,
-        value_model,
-        reward_fn,
-        stop_token_ids,
-        **score_kwargs,
     )

@@ -1,0 +1,122 @@
+"""Every patch of torchtune internals that generation needs, owned by one context manager.
+
+torchtune 0.6.1's ``TransformerDecoder`` has no notion of "a static KV cache used only while
+generating": ``setup_caches`` leaves caches on for every later forward, and its attention
+call copies the whole expanded cache for a one-token query. :class:`StaticKVCache` allocates
+the caches once, keeps them detached between generation calls (so training and scoring see
+the plain model, where ``mask=None`` still means causal), and :meth:`StaticKVCache.decoding`
+applies, then undoes, every change: caches attached, the decode attention swapped in, plain
+``[B, s, V]`` logits, eval mode. A torchtune upgrade that moves these attributes breaks here
+and nowhere else.
+"""
+
+import contextlib
+from typing import Iterator, List, Optional
+
+import torch
+from torch import nn
+from torchtune.modules import TransformerDecoder
+
+_NO_HIDDEN_STATES: List[int] = []  # one object, so dynamo's guards on it never change
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    dropout_p: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    """Stands in for torchtune's ``MultiHeadAttention._attention_call`` during generation.
+
+    A decode query (one position) attends with a multiply-and-sum instead of SDPA: torchtune
+    hands over K/V already expanded from the KV heads to all heads, which SDPA needs copied
+    (the whole cache, every layer, every step); as reductions the compiler reads the cache in
+    place. The prefill goes to SDPA as in torchtune, over the ``s`` cache columns it fills
+    (it starts at column 0) rather than all ``S``.
+    q: [B, H, s, D], k/v: [B, H, S, D], mask: [B, s, S].
+    """
+    s = q.shape[2]
+    if s != 1 or mask is None:
+        if mask is not None:
+            k, v, mask = k[:, :, :s], v[:, :, :s], mask[:, None, :, :s]
+        return nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
+        )
+    scale = q.shape[-1] ** -0.5
+    scores = (q.float() * k.float()).sum(-1) * scale  # [B, H, S]
+    scores = scores.masked_fill(~mask, -float("inf"))  # mask [B, 1, S] broadcasts over heads
+    weights = torch.softmax(scores, dim=-1)
+    out = (weights[..., None] * v.float()).sum(-2)  # [B, H, D]
+    return out[:, :, None].to(q.dtype)
+
+
+class StaticKVCache:
+    """KV caches of ``batch_size`` rows and ``seq_len`` columns for ``model``, attached on demand.
+
+    Args:
+        model (TransformerDecoder): the policy; it must not have caches set up already.
+        batch_size (int): rows of the cache.
+        seq_len (int): columns of the cache, ``P + T``.
+        dtype (torch.dtype): cache dtype.
+        device (torch.device): cache device.
+
+    Raises:
+        ValueError: if ``model`` already has KV caches.
+    """
+
+    def __init__(
+        self,
+        model: TransformerDecoder,
+        *,
+        batch_size: int,
+        seq_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if model.caches_are_setup():
+            raise ValueError(
+                "the model already has KV caches set up; generation owns its own. Call "
+                "torchtune.modules.common_utils.delete_kv_caches(model) first."
+            )
+        self.model = model
+        with device:
+            model.setup_caches(batch_size, dtype, decoder_max_seq_len=seq_len)
+        # Every attention module torchtune gave a cache to.
+        self._attn = [m for m in model.modules() if hasattr(m, "kv_cache") and hasattr(m, "cache_enabled")]
+        self._caches = [m.kv_cache for m in self._attn]
+        self._attention_calls = [m._attention_call for m in self._attn]
+        self._cache_pos0 = torch.arange(seq_len, device=device)
+        self._detach()
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """The model in eval mode with caches attached, decode attention and plain logits.
+
+        Everything is restored on exit, including each submodule's train/eval mode. Eval mode
+        because generation never uses dropout, and a fixed mode keeps compiled guards fixed.
+        """
+        modes = [(m, m.training) for m in self.model.modules()]
+        output_settings = (self.model.num_output_chunks, self.model.output_hidden_states)
+        self.model.eval()
+        # Plain [B, s, V] logits from forward: no chunked output (a graph break), no hidden states.
+        self.model.num_output_chunks, self.model.output_hidden_states = 0, _NO_HIDDEN_STATES
+        for attn, cache in zip(self._attn, self._caches):
+            attn.kv_cache = cache
+            attn.cache_enabled = True
+            attn._attention_call = decode_attention
+            cache.cache_pos.copy_(self._cache_pos0)  # back to column 0; stale K/V stay masked
+        try:
+            yield
+        finally:
+            self._detach()
+            self.model.num_output_chunks, self.model.output_hidden_states = output_settings
+            for m, training in modes:
+                m.training = training
+
+    def _detach(self) -> None:
+        for attn, attention_call in zip(self._attn, self._attention_calls):
+            attn.cache_enabled = False
+            attn.kv_cache = None
+            attn._attention_call = attention_call

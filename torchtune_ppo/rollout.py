@@ -1,0 +1,193 @@
+"""Steps 1-6 of a PPO step: generate responses, then score them into a :class:`Trajectory`.
+
+:class:`Rollout` is what the recipe calls; it picks one of two implementations:
+
+- split (default): :meth:`Generator.generate` (compiled prefill + decode step, early stop),
+  then :func:`score_trajectory` (one compiled region when ``compile.trajectory`` is on);
+- fused (``compile.rollout``): :func:`fused_rollout`, the generation unrolled into
+  straight-line code by :func:`generate_unrolled` and the scoring, as one compiled region
+  (the RFC's option 2). No early stop: every row runs all ``T`` steps.
+"""
+
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import nn
+
+from torchtune_ppo._compile import maybe_compile
+from torchtune_ppo.generation import Generator, generate_next_token, prefill
+from torchtune_ppo.trajectory import RewardFn, Trajectory, score_trajectory
+
+
+def generate_unrolled(
+    generator: Generator, noise: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Prefill and every decode step as straight-line code with no early exit, for tracing.
+
+    Call inside ``generator.kv_cache.decoding()`` after ``generator.prepare(...)`` with a full
+    batch of ``batch_size`` prompts.
+
+    Args:
+        generator (Generator): holds the model, its prepared inputs and sampling settings.
+        noise (Optional[torch.Tensor]): ``[T, B, W]`` Exponential(1) draws from
+            ``generator.draw_noise(rng, steps=T)``; None when greedy.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor]: ``query_responses [B, P + T]`` (tokens after a
+        stop token are kept, not padded) and ``logprobs [B, T]``.
+    """
+    inp, sampling = generator.inputs, generator.sampling
+    P, T = generator.max_prompt_len, generator.max_generated_tokens
+    cols = torch.arange(P + T, device=inp.tokens.device)
+    token, logprob, _ = prefill(
+        generator.model, inp.tokens, inp.prefill_pos, inp.prefill_mask,
+        None if noise is None else noise[0], **sampling,
+    )
+    tokens, logprobs = [token], [logprob]
+    for i in range(1, T):
+        response_cols = (cols >= P) & (cols < P + i)  # [S]: the i tokens fed so far
+        token, logprob, _ = generate_next_token(
+            generator.model, token[:, None], inp.decode_pos + (i - 1), inp.decode_mask | response_cols,
+            None if noise is None else noise[i], **sampling,
+        )
+        tokens.append(token)
+        logprobs.append(logprob)
+    query_responses = torch.cat([inp.tokens, torch.stack(tokens, dim=1)], dim=1)
+    return query_responses, torch.stack(logprobs, dim=1)
+
+
+def fused_rollout(
+    generator: Generator,
+    noise: Optional[torch.Tensor],
+    prompt_lens: torch.Tensor,
+    ref_policy_model: nn.Module,
+    value_model: nn.Module,
+    reward_fn: RewardFn,
+    stop_token_ids: torch.Tensor,
+    *,
+    pad_id: int,
+    penalise_no_eos: bool,
+    min_response_length: Optional[int],
+    reward_penalty: float,
+) -> Trajectory:
+    """Steps 1-6 as one function: :func:`generate_unrolled`, then :func:`score_trajectory`.
+
+    Call as :func:`generate_unrolled`; ``prompt_lens`` ``[B]`` are those given to ``prepare``.
+    The other arguments are :func:`score_trajectory`'s.
+    """
+    query_responses, logprobs = generate_unrolled(generator, noise)
+    return score_trajectory(
+        query_responses, prompt_lens, logprobs, None, ref_policy_model, value_model, reward_fn,
+        stop_token_ids, prompt_len=generator.max_prompt_len, pad_id=pad_id,
+        temperature=generator.sampling["temperature"],
+        penalise_no_eos=penalise_no_eos, min_response_length=min_response_length,
+        reward_penalty=reward_penalty,
+    )
+
+
+class Rollout:
+    """Steps 1-6 for a batch of prompts, in chunks of the generator's ``batch_size``.
+
+    Args:
+        generator (Generator): the policy's generator.
+        ref_policy_model (nn.Module): frozen reference policy.
+        value_model (nn.Module): value model returning ``[b, S, 1]``.
+        reward_fn (RewardFn): the reward source.
+        stop_token_ids (torch.Tensor): ``[n_stop]`` on the models' device.
+        pad_id (int): written after each row's first stop token.
+        penalise_no_eos (bool): see :func:`score_trajectory`.
+        min_response_length (Optional[int]): see :func:`score_trajectory`.
+        reward_penalty (float): see :func:`score_trajectory`.
+        compile_trajectory (bool): compile :func:`score_trajectory` (split implementation).
+        fused (bool): use :func:`fused_rollout`, compiled as one region.
+    """
+
+    def __init__(
+        self,
+        generator: Generator,
+        ref_policy_model: nn.Module,
+        value_model: nn.Module,
+        reward_fn: RewardFn,
+        stop_token_ids: torch.Tensor,
+        *,
+        pad_id: int,
+        penalise_no_eos: bool,
+        min_response_length: Optional[int],
+        reward_penalty: float,
+        compile_trajectory: bool,
+        fused: bool,
+    ) -> None:
+        self.generator = generator
+        self.ref_policy_model, self.value_model = ref_policy_model, value_model
+        self.reward_fn, self.stop_token_ids = reward_fn, stop_token_ids
+        self.pad_id, self.penalise_no_eos = pad_id, penalise_no_eos
+        self.min_response_length, self.reward_penalty = min_response_length, float(reward_penalty)
+        self.fused = fused
+        self._score = maybe_compile(score_trajectory, enabled=compile_trajectory)
+        self._fused = maybe_compile(fused_rollout, enabled=fused)
+
+    def __call__(
+        self,
+        prompts: torch.Tensor,
+        prompt_lens: torch.Tensor,
+        rng: Optional[torch.Generator],
+        timer: Callable,
+    ) -> Trajectory:
+        """Generates and scores ``prompts [b, P]`` of real lengths ``prompt_lens [b]``.
+
+        ``timer(phase)`` is a context manager timing each phase ("generate", "score"); the
+        fused implementation times all of it as "generate".
+        """
+        n = self.generator.batch_size
+        chunks = list(zip(prompts.split(n), prompt_lens.split(n)))
+        if self.fused:
+            with timer("generate"), torch.no_grad():
+                trajectories = [self._fused_chunk(p, lens, rng) for p, lens in chunks]
+        else:
+            with timer("generate"):
+                outputs = [self.generator.generate(p, lens, rng=rng) for p, lens in chunks]
+            with timer("score"), torch.no_grad():
+                trajectories = [self._score_chunk(out.query_responses, lens, out.logprobs)
+                                for out, (_, lens) in zip(outputs, chunks)]
+        return Trajectory(*map(torch.cat, zip(*trajectories)))
+
+    def _score_chunk(self, query_responses: torch.Tensor, prompt_lens: torch.Tensor,
+                     logprobs: torch.Tensor) -> Trajectory:
+        return self._score(
+            query_responses,
+            prompt_lens.to(query_responses.device),
+            logprobs,
+            None,
+            self.ref_policy_model,
+            self.value_model,
+            self.reward_fn,
+            self.stop_token_ids,
+            prompt_len=self.generator.max_prompt_len,
+            pad_id=self.pad_id,
+            temperature=self.generator.sampling["temperature"],
+            penalise_no_eos=self.penalise_no_eos,
+            min_response_length=self.min_response_length,
+            reward_penalty=self.reward_penalty,
+        )
+
+    def _fused_chunk(self, prompts: torch.Tensor, prompt_lens: torch.Tensor,
+                     rng: Optional[torch.Generator]) -> Trajectory:
+        gen = self.generator
+        if prompts.shape[0] != gen.batch_size:
+            raise ValueError(f"compile.rollout needs full chunks of {gen.batch_size} prompts, "
+                             f"got {prompts.shape[0]}.")
+        with gen.kv_cache.decoding():
+            inputs = gen.prepare(prompts, prompt_lens, rng)
+            return self._fused(
+                gen,
+                gen.draw_noise(rng, steps=gen.max_generated_tokens),
+                inputs.prompt_lens,
+                self.ref_policy_model,
+                self.value_model,
+                self.reward_fn,
+                self.stop_token_ids,
+                pad_id=self.pad_id,
+                penalise_no_eos=self.penalise_no_eos,
+                min_response_length=self.min_response_length,
+                reward_penalty=self.reward_penalty,
+            )
