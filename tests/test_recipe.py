@@ -10,7 +10,7 @@ from torchtune import training
 from torchtune.training import FullModelHFCheckpointer
 
 import torchtune_ppo
-from torchtune_ppo.demo import tiny_policy
+from torchtune_ppo.tasks.tiny_sentiment import tiny_policy
 from torchtune_ppo.logs import read_disk_log
 
 ROOT = Path(__file__).parents[1]

@@ -4,17 +4,35 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-ASSETS_DIR = Path(__file__).parent / "assets"
+# One folder per embedded task; each ships its files in tasks/<task>/assets.
+TASKS_DIR = Path(__file__).parent / "tasks"
 
 
-def asset_path(name: str = "") -> str:
-    """Absolute path of a file or folder shipped in ``torchtune_ppo/assets``."""
-    path = ASSETS_DIR / name
+def _tasks() -> list[str]:
+    return sorted(p.name for p in TASKS_DIR.iterdir() if (p / "assets").is_dir())
+
+
+def asset_path(name: str) -> str:
+    """Absolute path of a file or folder shipped with an embedded task.
+
+    Args:
+        name (str): ``"<task>/<file>"``, e.g. ``"tiny_sentiment/tokenizer.model"``, or
+            ``"<task>"`` for the task's whole assets folder.
+
+    Returns:
+        str: the path ``torchtune_ppo/tasks/<task>/assets/<file>``.
+
+    Raises:
+        FileNotFoundError: no such task or file; the message lists what is shipped.
+    """
+    task, _, rest = name.partition("/")
+    assets = TASKS_DIR / task / "assets"
+    if not task or not assets.is_dir():
+        raise FileNotFoundError(f"ppo_asset: {name!r}: no task {task!r}; shipped tasks: {_tasks()}")
+    path = assets / rest
     if not path.exists():
-        raise FileNotFoundError(
-            f"ppo_asset: {name!r} is not in {ASSETS_DIR}; shipped assets: "
-            f"{sorted(p.name for p in ASSETS_DIR.iterdir()) if ASSETS_DIR.exists() else []}"
-        )
+        files = sorted(str(p.relative_to(assets)) for p in assets.rglob("*") if p.is_file())
+        raise FileNotFoundError(f"ppo_asset: {name!r}: {rest!r} is not in {assets}; {task} ships: {files}")
     return str(path)
 
 

@@ -1,20 +1,16 @@
-"""The embedded tiny sentiment task: a PPO demo that runs with no downloads.
+"""How the tiny sentiment assets were made, and a sanity check of them.
 
-The task: a policy pretrained on short synthetic reviews continues a sentiment-neutral
-opening ("honestly the acting was") with a positive or a negative review; a reward model
-scores the sentiment; PPO should teach the policy to write positive reviews.
+    python -m torchtune_ppo.tasks.tiny_sentiment.build build --seed 0 [--out DIR]  # rebuild the assets
+    python -m torchtune_ppo.tasks.tiny_sentiment.build check [--dir DIR]           # print sanity numbers
 
-    python -m torchtune_ppo.demo build --seed 0 [--out DIR]   # rebuild the shipped assets
-    python -m torchtune_ppo.demo check [--dir DIR]            # print sanity numbers
-
-Assets (``torchtune_ppo/assets/tiny_sentiment``) come the way real checkpoints come:
+Assets (``torchtune_ppo/tasks/tiny_sentiment/assets``) come the way real checkpoints come:
 a SentencePiece ``tokenizer.model`` (Llama-2 conventions) and one Hugging Face folder per
 model (``config.json`` + ``model.safetensors`` in HF key naming), loaded through
 ``torchtune.training.FullModelHFCheckpointer`` with ``model_type`` ``LLAMA2`` (policy)
 and ``REWARD`` (reward model, also the usual value-model initialisation).
 
-Config builders: ``torchtune_ppo.demo.tiny_policy``, ``torchtune_ppo.demo.tiny_reward``,
-``torchtune_ppo.demo.tiny_tokenizer``.
+The recipe never imports this module: the builders it needs live in the package
+``torchtune_ppo.tasks.tiny_sentiment``.
 """
 
 from __future__ import annotations
@@ -35,40 +31,27 @@ import torch
 import torch.nn.functional as F
 
 from torchtune.models.llama2 import Llama2Tokenizer
-from torchtune.models.llama2._component_builders import llama2, llama2_classifier
 from torchtune.modules import TransformerDecoder
 
+from torchtune_ppo.rlhf import truncate_after_stop_token
+from torchtune_ppo.tasks.tiny_sentiment import (
+    BOS_ID,
+    EOS_ID,
+    NORM_EPS,
+    PAD_ID,
+    POLICY_DIMS,
+    REWARD_DIMS,
+    ROPE_BASE,
+    TASK,
+    VOCAB_SIZE,
+    tiny_policy,
+    tiny_reward,
+    tiny_tokenizer,
+)
+from torchtune_ppo.trajectory import ModelReward
+
 BUILDER_VERSION = 1
-TASK = "tiny_sentiment"
-
-# Token ids: SentencePiece defaults, as in Llama-2. torchtune's Llama2Tokenizer pads with
-# the unk id 0, which never occurs in encoded text (the corpus is fully covered).
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-VOCAB_SIZE = 512
-MAX_SEQ_LEN = 128
-ROPE_BASE = 10000.0  # llama2_classifier has no rope_base argument and uses this default
-NORM_EPS = 1e-5
-
-# The one place the committed dims live: tiny_policy()/tiny_reward() build from these and
-# the builder writes config.json from them.
-POLICY_DIMS = dict(
-    vocab_size=VOCAB_SIZE,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,  # grouped-query attention, head_dim 32
-    embed_dim=128,
-    intermediate_dim=384,
-    max_seq_len=MAX_SEQ_LEN,
-)
-REWARD_DIMS = dict(
-    vocab_size=VOCAB_SIZE,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,  # head_dim 16
-    embed_dim=64,
-    intermediate_dim=192,
-    max_seq_len=MAX_SEQ_LEN,
-)
+ASSETS_DIR = Path(__file__).parent / "assets"
 
 # Suggested generation settings for this task: prompts are at most 9 tokens with BOS and
 # corpus reviews at most 21 with BOS and EOS, so responses need at most 19 (EOS included).
@@ -79,31 +62,6 @@ NUM_REVIEWS = 4000  # half positive, half negative
 NUM_HELDOUT = 1000
 NUM_THREADS = 1  # fixed: float reductions depend on the thread count (and 1 is fastest for
 # these tiny matmuls on a busy machine: no OpenMP barriers)
-
-
-# --------------------------------------------------------------------------- builders
-
-
-def tiny_policy() -> TransformerDecoder:
-    """The demo policy: a 4-layer llama-style decoder (GQA) over the demo tokenizer."""
-    return llama2(**POLICY_DIMS, norm_eps=NORM_EPS, rope_base=ROPE_BASE)
-
-
-def tiny_reward() -> TransformerDecoder:
-    """The demo reward model: a 2-layer llama classifier with one output (a logit per token)."""
-    return llama2_classifier(num_classes=1, **REWARD_DIMS, norm_eps=NORM_EPS)
-
-
-def tiny_tokenizer(path: Optional[str] = None, max_seq_len: Optional[int] = None) -> Llama2Tokenizer:
-    """The demo tokenizer (Llama-2 SentencePiece conventions, no chat template).
-
-    ``path`` defaults to the shipped ``tiny_sentiment/tokenizer.model``.
-    """
-    if path is None:
-        from torchtune_ppo import asset_path
-
-        path = asset_path(f"{TASK}/tokenizer.model")
-    return Llama2Tokenizer(path=path, max_seq_len=max_seq_len, prompt_template=None)
 
 
 # --------------------------------------------------------------------------- corpus
@@ -282,9 +240,9 @@ def last_token_scores(reward_model: TransformerDecoder, tokens: torch.Tensor, va
     (prompts) and right padding (responses cut after EOS) around it.
     """
     mask, pos = masks_from_valid(valid)
-    out = reward_model(tokens, mask=mask, input_pos=pos)  # [B, L, 1]
     last = valid.shape[1] - 1 - valid.flip(1).int().argmax(1)  # [B]
-    return out[torch.arange(tokens.shape[0]), last, 0]
+    # Read the score the way the recipe's reward function does.
+    return ModelReward(reward_model)(tokens, mask, pos, last)
 
 
 def score_reviews(reward_model: TransformerDecoder, seqs: Sequence[Sequence[int]], left_pad: int = 0) -> torch.Tensor:
@@ -444,10 +402,13 @@ def _deterministic(num_threads: int = NUM_THREADS) -> None:
 
 
 @torch.no_grad()
-def sample(policy: TransformerDecoder, tokenizer: Llama2Tokenizer, prompts: Sequence[str], seed: int,
-           max_generated_tokens: int = MAX_GENERATED_TOKENS, temperature: float = 1.0
-           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sample_reviews(policy: TransformerDecoder, tokenizer: Llama2Tokenizer, prompts: Sequence[str], seed: int,
+                   max_generated_tokens: int = MAX_GENERATED_TOKENS, temperature: float = 1.0
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample with torchtune's KV-cached ``generate`` from left-padded prompts.
+
+    torchtune's sampler rather than the recipe's: the sanity numbers in MANIFEST.json and
+    README.md were recorded with its random draws.
 
     Returns query [B, P], response [B, T] (PAD after the first EOS) and response_valid
     [B, T] (real tokens up to and including the first EOS).
@@ -466,10 +427,9 @@ def sample(policy: TransformerDecoder, tokenizer: Llama2Tokenizer, prompts: Sequ
         delete_kv_caches(policy)
     response = out[:, plen:]
     response = F.pad(response, (0, max_generated_tokens - response.shape[1]), value=PAD_ID)
-    is_eos = response == EOS_ID
-    after_eos = (is_eos.cumsum(1) - is_eos.int()) > 0  # strictly after the first EOS
-    valid = ~after_eos
-    return query, response.masked_fill(after_eos, PAD_ID), valid
+    # The recipe's truncation rule, so that check scores responses the way PPO does.
+    after_eos, response = truncate_after_stop_token(response, torch.tensor([EOS_ID]), PAD_ID)
+    return query, response, ~after_eos
 
 
 @torch.no_grad()
@@ -482,7 +442,7 @@ def evaluate(folder: Path, seed: int = 0, num_samples: int = 256, log=print) -> 
     # Policy samples from neutral prompts, judged by the word lists and the reward model.
     prompts = [r["prompt"] for r in json.loads((folder / "prompts.json").read_text())]
     prompts = [prompts[i % len(prompts)] for i in range(num_samples)]
-    query, response, rvalid = sample(policy, tokenizer, prompts, seed)
+    query, response, rvalid = sample_reviews(policy, tokenizer, prompts, seed)
     tokens = torch.cat([query, response], 1)
     valid = torch.cat([query != PAD_ID, rvalid], 1)
     scores = last_token_scores(reward, tokens, valid)
@@ -596,7 +556,7 @@ def build(out: Path, seed: int = 0, log=print) -> Dict:
         "task": TASK,
         "builder_version": BUILDER_VERSION,
         "seed": seed,
-        "build_command": f"python -m torchtune_ppo.demo build --seed {seed}",
+        "build_command": f"python -m torchtune_ppo.tasks.tiny_sentiment.build build --seed {seed}",
         "built_with": {"torch": torch.__version__.split("+")[0], "num_threads": NUM_THREADS},
         "tokenizer": {"type": "sentencepiece-bpe", "vocab_size": VOCAB_SIZE,
                       "pad_id": PAD_ID, "bos_id": BOS_ID, "eos_id": EOS_ID},
@@ -620,9 +580,10 @@ _README = """\
 A PPO task small enough for a CPU and shipped with the package, so that the recipe runs
 with no downloads. Rebuild (deterministic, about two minutes of one CPU core):
 
-    python -m torchtune_ppo.demo build --seed {seed}
+    python -m torchtune_ppo.tasks.tiny_sentiment.build build --seed {seed}
 
-`python -m torchtune_ppo.demo check` reloads the files and prints the numbers below.
+`python -m torchtune_ppo.tasks.tiny_sentiment.build check` reloads the files and prints
+the numbers below.
 
 **Task.** The policy continues a sentiment-neutral review opening (`honestly the acting
 was`, `i think this film`, ...) with a short review that is positive or negative about
@@ -632,13 +593,13 @@ positive reviews.
 **Files.**
 - `tokenizer.model`: SentencePiece BPE, {vocab} pieces, unk/pad=0, bos=1, eos=2 (Llama-2
   conventions; load with `torchtune.models.llama2.llama2_tokenizer` or
-  `torchtune_ppo.demo.tiny_tokenizer`).
+  `torchtune_ppo.tasks.tiny_sentiment.tiny_tokenizer`).
 - `policy/`: HF llama checkpoint (`config.json`, `model.safetensors`, float32), load with
-  `FullModelHFCheckpointer(model_type=LLAMA2)` into `torchtune_ppo.demo.tiny_policy()`:
+  `FullModelHFCheckpointer(model_type=LLAMA2)` into `torchtune_ppo.tasks.tiny_sentiment.tiny_policy()`:
   {p[num_layers]} layers, dim {p[embed_dim]}, {p[num_heads]} heads / {p[num_kv_heads]} kv heads,
   MLP {p[intermediate_dim]}, {policy_params} parameters.
 - `reward/`: HF sequence-classification checkpoint with one label, load with
-  `FullModelHFCheckpointer(model_type=REWARD)` into `torchtune_ppo.demo.tiny_reward()`:
+  `FullModelHFCheckpointer(model_type=REWARD)` into `torchtune_ppo.tasks.tiny_sentiment.tiny_reward()`:
   {r[num_layers]} layers, dim {r[embed_dim]}, {r[num_heads]} heads / {r[num_kv_heads]} kv heads,
   MLP {r[intermediate_dim]}, {reward_params} parameters.
 - `prompts.json`: {{"prompt": ...}} records of every neutral opening, for
@@ -683,7 +644,8 @@ prompts at most {prompt_tokens_max} with BOS, so `max_prompt_len: {max_prompt_le
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchtune_ppo.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m torchtune_ppo.tasks.tiny_sentiment.build",
+                                     description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_build = sub.add_parser("build", help="rebuild the tiny_sentiment assets")
     p_build.add_argument("--seed", type=int, default=0)
@@ -693,13 +655,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p_check.add_argument("--samples", type=int, default=256)
     args = parser.parse_args(argv)
 
-    default_dir = Path(__file__).parent / "assets" / TASK
     if args.cmd == "build":
-        build(args.out or default_dir, seed=args.seed)
+        build(args.out or ASSETS_DIR, seed=args.seed)
         return 0
 
     _deterministic()
-    folder = args.dir or default_dir
+    folder = args.dir or ASSETS_DIR
     manifest = json.loads((folder / "MANIFEST.json").read_text())
     bad = [f for f, h in manifest["files"].items() if _sha256(folder / f) != h]
     print(f"files: {len(manifest['files'])} listed, {len(bad)} differ from MANIFEST {bad or ''}")

@@ -1,0 +1,83 @@
+"""The tiny sentiment task at run time: its model and tokenizer builders.
+
+A policy pretrained on short synthetic reviews continues a sentiment-neutral opening
+("honestly the acting was"); a reward model scores the sentiment; PPO should teach the
+policy to write positive reviews. See ``assets/README.md``; ``build.py`` rebuilds the
+assets.
+
+Config builders: ``torchtune_ppo.tasks.tiny_sentiment.tiny_policy``,
+``torchtune_ppo.tasks.tiny_sentiment.tiny_reward``,
+``torchtune_ppo.tasks.tiny_sentiment.tiny_tokenizer``.
+"""
+
+from typing import Optional
+
+from torchtune.models.llama2 import Llama2Tokenizer
+from torchtune.models.llama2._component_builders import llama2, llama2_classifier
+from torchtune.modules import TransformerDecoder
+
+from torchtune_ppo import asset_path
+
+TASK = "tiny_sentiment"
+
+# Token ids: SentencePiece defaults, as in Llama-2. torchtune's Llama2Tokenizer pads with
+# the unk id 0, which never occurs in encoded text (the corpus is fully covered).
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+VOCAB_SIZE = 512
+MAX_SEQ_LEN = 128
+ROPE_BASE = 10000.0  # llama2_classifier has no rope_base argument and uses this default
+NORM_EPS = 1e-5
+
+# The one place the committed dims live: the builders below build from these and
+# build.py writes config.json from them.
+POLICY_DIMS = dict(
+    vocab_size=VOCAB_SIZE,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,  # grouped-query attention, head_dim 32
+    embed_dim=128,
+    intermediate_dim=384,
+    max_seq_len=MAX_SEQ_LEN,
+)
+REWARD_DIMS = dict(
+    vocab_size=VOCAB_SIZE,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,  # head_dim 16
+    embed_dim=64,
+    intermediate_dim=192,
+    max_seq_len=MAX_SEQ_LEN,
+)
+
+
+def tiny_policy() -> TransformerDecoder:
+    """The task's policy: a 4-layer llama-style decoder with grouped-query attention.
+
+    Returns:
+        TransformerDecoder: randomly initialised; load ``assets/policy`` into it.
+    """
+    return llama2(**POLICY_DIMS, norm_eps=NORM_EPS, rope_base=ROPE_BASE)
+
+
+def tiny_reward() -> TransformerDecoder:
+    """The task's reward model: a 2-layer llama classifier with one output per token.
+
+    Returns:
+        TransformerDecoder: randomly initialised; load ``assets/reward`` into it.
+    """
+    return llama2_classifier(num_classes=1, **REWARD_DIMS, norm_eps=NORM_EPS)
+
+
+def tiny_tokenizer(path: Optional[str] = None, max_seq_len: Optional[int] = None) -> Llama2Tokenizer:
+    """The task's tokenizer (Llama-2 SentencePiece conventions, no chat template).
+
+    Args:
+        path (Optional[str]): a ``tokenizer.model``; defaults to the shipped one.
+        max_seq_len (Optional[int]): truncate encoded sequences to this length.
+
+    Returns:
+        Llama2Tokenizer: pad/unk 0, bos 1, eos 2.
+    """
+    if path is None:
+        path = asset_path(f"{TASK}/tokenizer.model")
+    return Llama2Tokenizer(path=path, max_seq_len=max_seq_len, prompt_template=None)
