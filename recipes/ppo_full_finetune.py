@@ -14,11 +14,9 @@ One PPO step reads as:
 """
 
 import sys
-import time
-from contextlib import contextmanager
 from functools import partial
 from itertools import chain
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -27,7 +25,7 @@ from torchtune import config, modules, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from torchtune_ppo import rlhf
+from torchtune_ppo import checkpointing, rlhf
 from torchtune_ppo._compile import RecompileCounter, maybe_compile
 from torchtune_ppo.config import (
     check_cli_overrides,
@@ -39,29 +37,13 @@ from torchtune_ppo.config import (
 )
 from torchtune_ppo.data import left_pad_prompts
 from torchtune_ppo.generation import Generator
+from torchtune_ppo.interrupt import stop_on_signals
 from torchtune_ppo.loss_step import ppo_loss_step
+from torchtune_ppo.metrics import PhaseTimer, step_metrics
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.trajectory import ModelReward, Trajectory
 
 log = utils.get_logger("INFO")
-
-
-class PhaseTimer:
-    """Wall-clock seconds per phase of a step; syncs the device so the times are real."""
-
-    def __init__(self, device: torch.device):
-        self._device = device
-        self.times: Dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-        start = time.perf_counter()
-        yield
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-        self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
 
 
 class PPOFullFinetuneRecipe(FTRecipeInterface):
@@ -78,6 +60,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self.seed = training.set_seed(seed=cfg.seed)
         self._rng = torch.Generator(self._device).manual_seed(self.seed)
         self._compile = parse_compile(cfg.compile)
+        self._output_dir = cfg.output_dir
         self._num_steps = cfg.num_steps
         self._batch_size = cfg.batch_size
         self._forward_batch_size = cfg.forward_batch_size
@@ -91,12 +74,18 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._gamma = cfg.gamma
         self._lmbda = cfg.lmbda
         self._clip_grad_norm = cfg.clip_grad_norm
+        self._max_consecutive_skipped = cfg.max_consecutive_skipped_steps
         self._save_every_n_steps = cfg.save_every_n_steps
         self._log_every_n_steps = cfg.log_every_n_steps
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type == "cuda"
         self._recompiles = RecompileCounter()
         self.steps_run = 0
         self.epochs_run = 0
+        self._batches_run_in_epoch = 0  # the data position inside the current epoch
+        self._skipped_steps = 0
+        self._consecutive_skipped = 0
+        self._pending_rng_state = None  # restored once the data iterator is back in place
+        self._last_saved_step = None
 
     def setup(self, cfg: DictConfig) -> None:
         self._metric_logger = self._setup_metric_logger(cfg)
@@ -107,18 +96,25 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._stop_token_ids = torch.tensor(list(cfg.stop_token_ids), device=self._device)
         # Every prompt is read and checked before any weights load.
         self._sampler, self._dataloader = self._setup_data(cfg)
+        resume_from = self._find_resume_checkpoint(cfg.resume_from_checkpoint)
+        weights = checkpointing.checkpointer_overrides(resume_from) if resume_from else {}
 
-        self._policy_checkpointer, self._policy_model = self._setup_model(
-            cfg.policy_model, cfg.checkpointer, trainable=True, cfg=cfg
+        self._policy_model = self._setup_model(
+            cfg.policy_model, "checkpointer", weights.get("policy", {}), trainable=True, cfg=cfg
         )
-        _, self._ref_policy_model = self._setup_model(
-            cfg.policy_model, cfg.ref_policy_checkpointer, trainable=False, cfg=cfg
+        self._ref_policy_model = self._setup_model(
+            cfg.policy_model, "ref_policy_checkpointer", {}, trainable=False, cfg=cfg
         )
-        self._value_checkpointer, self._value_model = self._setup_model(
-            cfg.reward_and_value_model, cfg.value_checkpointer, trainable=True, cfg=cfg
+        self._value_model = self._setup_model(
+            cfg.reward_and_value_model, "value_checkpointer", weights.get("value", {}),
+            trainable=True, cfg=cfg,
         )
-        _, reward_model = self._setup_model(
-            cfg.reward_and_value_model, cfg.reward_checkpointer, trainable=False, cfg=cfg
+        reward_model = self._setup_model(
+            cfg.reward_and_value_model, "reward_checkpointer", {}, trainable=False, cfg=cfg
+        )
+        self._checkpoints = checkpointing.CheckpointManager(
+            self._output_dir, cfg.checkpointer, cfg.value_checkpointer,
+            keep_last_n=cfg.keep_last_n_checkpoints,
         )
 
         self._optimizer = config.instantiate(
@@ -159,6 +155,38 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         )
         self._ppo_loss_step = maybe_compile(ppo_loss_step, enabled=self._compile.loss_step)
         log.info(f"Compiled regions: {self._compile}")
+        if resume_from:
+            self._load_training_state(resume_from)
+
+    def _find_resume_checkpoint(self, resume: bool) -> Optional[str]:
+        """The checkpoint to resume from, or None for a fresh run; refuses to overwrite one."""
+        if not resume:
+            existing = checkpointing.existing_checkpoints(self._output_dir)
+            if existing:
+                raise FileExistsError(
+                    f"output_dir {self._output_dir!r} already holds checkpoints "
+                    f"({', '.join(str(p) for p in existing[:3])}); a fresh run would overwrite "
+                    "them. Resume with resume_from_checkpoint=True, or choose another output_dir."
+                )
+            return None
+        latest = checkpointing.latest_checkpoint(self._output_dir)
+        if latest is None:
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=True but output_dir {self._output_dir!r} holds no "
+                f"complete checkpoint (<output_dir>/checkpoints/step_<N> with a COMPLETE marker)."
+            )
+        log.info(f"Resuming from {latest}")
+        return str(latest)
+
+    def _load_training_state(self, checkpoint: str) -> None:
+        state = checkpointing.load_training_state(checkpoint)
+        self._optimizer.load_state_dict(state["optimizer"])
+        self.steps_run, self.epochs_run = state["steps_run"], state["epochs_run"]
+        self._batches_run_in_epoch = state["batches_run_in_epoch"]
+        self._skipped_steps = state["skipped_steps"]
+        self._consecutive_skipped = state["consecutive_skipped"]
+        self._pending_rng_state = state["rng"]
+        self._last_saved_step = self.steps_run
 
     def _setup_metric_logger(self, cfg: DictConfig):
         if cfg.metric_logger is None:
@@ -166,12 +194,14 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         return config.instantiate(cfg.metric_logger)
 
     def _setup_model(
-        self, cfg_model: DictConfig, cfg_checkpointer: DictConfig, *, trainable: bool, cfg: DictConfig
-    ) -> Tuple[object, torch.nn.Module]:
-        checkpointer = config.instantiate(cfg_checkpointer)
+        self, cfg_model: DictConfig, checkpointer_key: str, overrides: Dict, *,
+        trainable: bool, cfg: DictConfig,
+    ) -> torch.nn.Module:
+        checkpointer = config.instantiate(cfg[checkpointer_key], **overrides)
         state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model)
+        _check_shapes(model, state_dict, checkpointer_key)
         model.load_state_dict(state_dict)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
         # Dropout would make the trajectory's logprobs disagree with the loss step's.
@@ -183,7 +213,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         if not trainable:
             model.eval()
             model.requires_grad_(False)
-        return checkpointer, model
+        return model
 
     def _setup_loss(self, cfg_loss: DictConfig) -> Tuple[float, float, float]:
         # Accepts torchtune's `_component_: torchtune.rlhf.loss.PPOLoss` block or plain keys.
@@ -213,24 +243,41 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     def ppo_update(
         self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor, timer: PhaseTimer
     ) -> List[rlhf.PPOStats]:
-        """``ppo_epochs`` passes over shuffled minibatches, accumulating gradients per minibatch."""
+        """``ppo_epochs`` passes over shuffled minibatches, accumulating gradients per minibatch.
+
+        Returns the stats of every micro-batch whose minibatch update was applied; an update
+        with a non-finite loss or gradient norm is skipped (see :meth:`_optimizer_step`).
+        """
         stats = []
         micro_batch_size = self._ppo_batch_size // self._grad_accum
         for _ in range(self._ppo_epochs):
             order = torch.randperm(self._batch_size, device=self._device)
             for minibatch in order.split(self._ppo_batch_size):
                 with timer("loss_step"):
-                    for idxs in minibatch.split(micro_batch_size):
-                        stats.append(self._loss_and_backward(trajectory, advantages, returns, idxs))
+                    minibatch_stats = [
+                        self._loss_and_backward(trajectory, advantages, returns, idxs)
+                        for idxs in minibatch.split(micro_batch_size)
+                    ]
                 with timer("optimizer"):
-                    if self._clip_grad_norm is not None:
-                        torch.nn.utils.clip_grad_norm_(
-                            chain(self._policy_model.parameters(), self._value_model.parameters()),
-                            max_norm=float(self._clip_grad_norm),
-                        )
-                    self._optimizer.step()
-                    self._optimizer.zero_grad(set_to_none=True)
+                    if self._optimizer_step(minibatch_stats):
+                        stats.extend(minibatch_stats)
         return stats
+
+    def _optimizer_step(self, minibatch_stats: List[rlhf.PPOStats]) -> bool:
+        """Clip, then step; or drop the gradients when the loss or their norm is not finite."""
+        params = chain(self._policy_model.parameters(), self._value_model.parameters())
+        max_norm = float("inf") if self._clip_grad_norm is None else float(self._clip_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+        loss = torch.stack([s.loss for s in minibatch_stats]).sum()
+        finite = torch.stack([loss.isfinite(), grad_norm.isfinite()]).tolist()  # one host sync
+        if all(finite):
+            self._optimizer.step()
+        else:
+            quantity = "loss" if not finite[0] else "gradient norm"
+            log.warning(f"step {self.steps_run + 1}: non-finite {quantity} ({loss.item():.4g}, grad "
+                        f"norm {grad_norm.item():.4g}); this minibatch update is skipped.")
+        self._optimizer.zero_grad(set_to_none=True)
+        return all(finite)
 
     def _loss_and_backward(
         self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor, idxs: torch.Tensor
@@ -263,15 +310,44 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         """One PPO step on ``prompts [B, P]`` of real lengths ``prompt_lens [B]``; returns its metrics.
 
         ``num_truncated``, the prompts the collator cut to ``max_prompt_len``, is only logged.
+        A batch with a non-finite score gets no update at all.
         """
         timer = PhaseTimer(self._device)
         with timer("step"):
             trajectory = self._rollout(prompts, prompt_lens, self._rng, timer)
+            bad_rows = int((~trajectory.scores.isfinite()).sum())
+            if bad_rows:
+                log.warning(f"step {self.steps_run + 1}: the reward is not finite in {bad_rows} of "
+                            f"{len(trajectory.scores)} rows; the update is skipped.")
+                trajectory = trajectory._replace(scores=trajectory.scores.nan_to_num(0.0, 0.0, 0.0))
             advantages, returns, kl, kl_rewards = self.estimate_advantages(trajectory, timer)
-            stats = self.ppo_update(trajectory, advantages, returns, timer)
-        metrics = self._step_metrics(trajectory, stats, kl, kl_rewards, timer.times)
-        metrics["prompts_truncated"] = float(num_truncated)
+            stats = [] if bad_rows else self.ppo_update(trajectory, advantages, returns, timer)
+        metrics = step_metrics(trajectory, stats, kl, kl_rewards, timer.times,
+                               grad_accum=self._grad_accum, ppo_epochs=self._ppo_epochs)
+        updates = self._ppo_epochs * (self._batch_size // self._ppo_batch_size)
+        self._count_skips(skipped=len(stats) < updates * self._grad_accum)
+        metrics.update(
+            prompts_truncated=float(num_truncated),
+            nonfinite_score_rows=float(bad_rows),
+            skipped_updates=float(updates - len(stats) // self._grad_accum),
+            skipped_steps=float(self._skipped_steps),
+            lr=float(self._optimizer.param_groups[0]["lr"]),
+            recompiles=float(self._recompiles.since_mark),
+        )
+        if self._log_peak_memory_stats:
+            metrics.update(training.get_memory_stats(device=self._device))
         return metrics
+
+    def _count_skips(self, skipped: bool) -> None:
+        self._skipped_steps += skipped
+        self._consecutive_skipped = self._consecutive_skipped + 1 if skipped else 0
+        if self._consecutive_skipped >= self._max_consecutive_skipped:
+            raise RuntimeError(
+                f"{self._consecutive_skipped} consecutive steps had non-finite rewards, losses or "
+                f"gradients (max_consecutive_skipped_steps={self._max_consecutive_skipped}); "
+                "stopping. Lower optimizer.lr, check the reward model, or resume from the last "
+                "checkpoint with resume_from_checkpoint=True."
+            )
 
     def estimate_advantages(
         self, trajectory: Trajectory, timer: PhaseTimer
@@ -292,69 +368,50 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             )
         return advantages, returns, kl, kl_rewards
 
-    def _step_metrics(
-        self,
-        trajectory: Trajectory,
-        stats: List[rlhf.PPOStats],
-        kl: torch.Tensor,
-        kl_rewards: torch.Tensor,
-        times: Dict[str, float],
-    ) -> Dict[str, float]:
-        # Stats of one minibatch are summed over its micro-batches (each scaled by 1/grad_accum).
-        per_minibatch = rlhf.PPOStats(*(torch.stack(s) for s in zip(*stats)))
-        per_minibatch = rlhf.PPOStats(*(s.view(-1, self._grad_accum).sum(1) for s in per_minibatch))
-        b, s = trajectory.query_responses.shape
-        traj_time = times["generate"] + times.get("score", 0.0)
-        ppo_time = times["loss_step"] + times["optimizer"]
-        metrics = {
-            "scores": trajectory.scores.mean(),
-            "num_stop_tokens": trajectory.response_padding_masks.any(-1).sum(),
-            "rlhf_reward": trajectory.scores.mean() + kl_rewards.sum(1).mean(),
-            "kl": kl.sum(1).mean(),
-            "kl_reward": kl_rewards.sum(1).mean(),
-            "loss": per_minibatch.loss.mean(),
-            "policy_loss": per_minibatch.policy_loss.mean(),
-            "value_loss": per_minibatch.value_loss.mean(),
-            "clipfrac": per_minibatch.clipfrac.mean(),
-            "ratios": per_minibatch.ratios.mean(),
-            "approx_policy_kl": per_minibatch.approx_policy_kls.mean(),
-            "response_lengths": trajectory.seq_lens.float().mean(),
-            "lr": self._optimizer.param_groups[0]["lr"],
-            "tokens_per_second_per_gpu_trajectory": b * s / traj_time,
-            "tokens_per_second_per_gpu_ppo": self._ppo_epochs * b * s / ppo_time,
-            "generated_tokens_per_second": trajectory.seq_lens.sum() / times["generate"],
-            "recompiles": self._recompiles.since_mark,
-        }
-        metrics.update({f"time/{k}": v for k, v in times.items()})
-        if self._log_peak_memory_stats:
-            metrics.update(training.get_memory_stats(device=self._device))
-        return {k: float(v) for k, v in metrics.items()}
-
     def train(self, on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> None:
-        """Runs PPO steps until ``num_steps``; ``on_step(step, metrics)`` is called after each."""
+        """Runs PPO steps until ``num_steps``; ``on_step(step, metrics)`` is called after each.
+
+        SIGINT or SIGTERM finishes the current step, saves a checkpoint and exits.
+        """
         pbar = tqdm(total=self._num_steps, initial=self.steps_run, desc="PPO", dynamic_ncols=True)
-        while self.steps_run < self._num_steps:
-            self._sampler.set_epoch(self.epochs_run)
-            for batch in self._dataloader:
-                metrics = self.train_step(
-                    batch["tokens"].to(self._device),
-                    batch["prompt_lens"].to(self._device),
-                    int(batch["num_truncated"]),
-                )
-                self.steps_run += 1
-                if self.steps_run == 1:
-                    self._recompiles.mark()  # everything after the first step must reuse its graphs
-                self._log(metrics, pbar)
-                if on_step is not None:
-                    on_step(self.steps_run, metrics)
-                if self._save_every_n_steps and self.steps_run % self._save_every_n_steps == 0:
-                    self.save_checkpoint(self.steps_run)
-                if self.steps_run == self._num_steps:
-                    break
-            else:
-                self.epochs_run += 1
+        with stop_on_signals() as stop:
+            while self.steps_run < self._num_steps and not stop:
+                self._run_epoch(on_step, pbar, stop)
         pbar.close()
-        self.save_checkpoint(self.steps_run)
+        if self._last_saved_step != self.steps_run:
+            self.save_checkpoint(self.steps_run)
+        if stop:
+            log.warning(f"Stopped after step {self.steps_run}. To continue: tune run "
+                        f"{' '.join(sys.argv)} output_dir={self._output_dir} resume_from_checkpoint=True")
+            raise SystemExit(128 + stop.signum)
+
+    def _run_epoch(self, on_step, pbar: tqdm, stop) -> None:
+        self._sampler.set_epoch(self.epochs_run)
+        batches = iter(self._dataloader)
+        for _ in range(self._batches_run_in_epoch):  # resuming: the batches already trained on
+            next(batches)
+        if self._pending_rng_state is not None:
+            checkpointing.restore_rng_state(self._pending_rng_state, [self._rng])
+            self._pending_rng_state = None
+        for batch in batches:
+            metrics = self.train_step(
+                batch["tokens"].to(self._device),
+                batch["prompt_lens"].to(self._device),
+                int(batch["num_truncated"]),
+            )
+            self.steps_run += 1
+            self._batches_run_in_epoch += 1
+            if not self._recompiles.marked:
+                self._recompiles.mark()  # everything after the first step must reuse its graphs
+            self._log(metrics, pbar)
+            if on_step is not None:
+                on_step(self.steps_run, metrics)
+            if self._save_every_n_steps and self.steps_run % self._save_every_n_steps == 0:
+                self.save_checkpoint(self.steps_run)
+            if self.steps_run == self._num_steps or stop:
+                return
+        self.epochs_run += 1
+        self._batches_run_in_epoch = 0
 
     def _log(self, metrics: Dict[str, float], pbar: tqdm) -> None:
         if self.steps_run % self._log_every_n_steps == 0:
@@ -365,20 +422,43 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             kl=f"{metrics['kl']:.3f}",
             gen=f"{metrics['time/generate']:.2f}s",
             score=f"{metrics.get('time/score', 0.0):.2f}s",
-            ppo=f"{metrics['time/loss_step'] + metrics['time/optimizer']:.2f}s",
+            ppo=f"{metrics.get('time/loss_step', 0.0) + metrics.get('time/optimizer', 0.0):.2f}s",
         )
 
     def save_checkpoint(self, step: int) -> None:
-        """Write the policy and value models in HF format to ``<output_dir>/{policy,value}/epoch_<step>``."""
-        for checkpointer, model in (
-            (self._policy_checkpointer, self._policy_model),
-            (self._value_checkpointer, self._value_model),
-        ):
-            state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-            checkpointer.save_checkpoint({training.MODEL_KEY: state_dict}, epoch=step)
+        """Write ``<output_dir>/checkpoints/step_<step>``: policy and value in HF format and the
+        training state (optimizer, counters, data position, random states), atomically."""
+        training_state = {
+            "optimizer": self._optimizer.state_dict(),
+            "steps_run": self.steps_run,
+            "epochs_run": self.epochs_run,
+            "batches_run_in_epoch": self._batches_run_in_epoch,
+            "skipped_steps": self._skipped_steps,
+            "consecutive_skipped": self._consecutive_skipped,
+            "rng": checkpointing.capture_rng_state([self._rng]),
+        }
+        self._checkpoints.save(
+            step,
+            {k: v.detach().cpu() for k, v in self._policy_model.state_dict().items()},
+            {k: v.detach().cpu() for k, v in self._value_model.state_dict().items()},
+            training_state,
+        )
+        self._last_saved_step = step
 
     def cleanup(self) -> None:
         self._metric_logger.close()
+
+
+def _check_shapes(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], key: str) -> None:
+    """Names the checkpointer, parameter and both shapes when a checkpoint does not fit."""
+    expected = model.state_dict()
+    for name, tensor in state_dict.items():
+        if name in expected and expected[name].shape != tensor.shape:
+            raise ValueError(
+                f"{key}: parameter {name!r} has shape {tuple(tensor.shape)} in the checkpoint but "
+                f"{tuple(expected[name].shape)} in the model; the checkpoint is of another model "
+                f"size or family than the config's model builder."
+            )
 
 
 @config.parse

@@ -42,3 +42,22 @@ if not OmegaConf.has_resolver("ppo_asset"):
     # omegaconf 2.4 renamed register_new_resolver; 2.3 only has the old name.
     _register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
     _register("ppo_asset", asset_path)
+
+_RUN_ID = None
+
+
+def run_id() -> str:
+    """A name for this process's run, fixed at first use: ``YYYYmmdd-HHMMSS-<pid>``."""
+    global _RUN_ID
+    if _RUN_ID is None:
+        import os
+        import time
+
+        _RUN_ID = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    return _RUN_ID
+
+
+# Shipped configs write each fresh run to its own folder, ${ppo_run_id:}, so running the same
+# command twice never meets the first run's checkpoints; resuming names the folder explicitly.
+if not OmegaConf.has_resolver("ppo_run_id"):
+    _register("ppo_run_id", run_id)

@@ -82,5 +82,9 @@ class RecompileCounter:
         self._mark = compile_count()
 
     @property
+    def marked(self) -> bool:
+        return self._mark is not None
+
+    @property
     def since_mark(self) -> int:
         return 0 if self._mark is None else compile_count() - self._mark

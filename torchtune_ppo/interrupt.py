@@ -1,0 +1,47 @@
+"""Turning SIGINT and SIGTERM into "finish this step, save, and stop"."""
+
+import contextlib
+import signal
+from typing import Iterator, Optional
+
+from torchtune import utils
+
+log = utils.get_logger("INFO")
+
+
+class StopRequest:
+    """Set by the first SIGINT or SIGTERM; a second one stops at once (the default handler)."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        # The next signal of this kind acts as usual: a second Ctrl-C interrupts right away.
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+        log.warning(f"{signal.Signals(signum).name} received: finishing the current step, then "
+                    "saving a checkpoint. Send it again to stop at once without saving.")
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    """Within the block, SIGINT and SIGTERM set the yielded :class:`StopRequest` instead of raising.
+
+    The previous handlers are restored on exit. Outside the main thread (where Python cannot
+    install handlers) the request simply never fires.
+    """
+    request = StopRequest()
+    previous = {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, request._handle)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield request
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

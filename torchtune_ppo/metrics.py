@@ -1,0 +1,90 @@
+"""Per-step metrics of the recipe: phase timing and the logged values.
+
+Keys match torchtune's PPO recipe where it has them, so dashboards carry over; the phase
+times are namespaced ``time/<phase>``.
+"""
+
+import contextlib
+import time
+from typing import Dict, Iterator, List
+
+import torch
+
+from torchtune_ppo import rlhf
+from torchtune_ppo.trajectory import Trajectory
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of a step; syncs the device so the times are real."""
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        self.times: Dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        start = time.perf_counter()
+        yield
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+
+
+def step_metrics(
+    trajectory: Trajectory,
+    stats: List[rlhf.PPOStats],
+    kl: torch.Tensor,
+    kl_rewards: torch.Tensor,
+    times: Dict[str, float],
+    *,
+    grad_accum: int,
+    ppo_epochs: int,
+) -> Dict[str, float]:
+    """The logged metrics of one PPO step.
+
+    Args:
+        trajectory (Trajectory): the step's scored batch ``[B, ...]``.
+        stats (List[PPOStats]): one per micro-batch of every update that was applied, each
+            already scaled by ``1 / grad_accum``; empty when every update was skipped.
+        kl (torch.Tensor): ``[B, T]`` per-token KL to the reference policy.
+        kl_rewards (torch.Tensor): ``[B, T]`` the KL penalty part of the rewards.
+        times (Dict[str, float]): seconds per phase, from :class:`PhaseTimer`.
+        grad_accum (int): micro-batches per minibatch.
+        ppo_epochs (int): passes over the batch.
+
+    Returns:
+        Dict[str, float]: scores, KL, losses, ratios (masked means), lengths, throughput and
+        ``time/<phase>``. Loss metrics are NaN when no update was applied.
+    """
+    if stats:
+        # Stats of one minibatch are summed over its micro-batches (each scaled by 1/grad_accum).
+        per_minibatch = [torch.stack(s).view(-1, grad_accum).sum(1).mean() for s in zip(*stats)]
+    else:
+        per_minibatch = [torch.tensor(float("nan"))] * len(rlhf.PPOStats._fields)
+    ppo = rlhf.PPOStats(*per_minibatch)
+    b, s = trajectory.query_responses.shape
+    finite = torch.isfinite(trajectory.scores)
+    scores = torch.where(finite, trajectory.scores, 0.0).sum() / finite.sum().clamp(min=1)
+    traj_time = times["generate"] + times.get("score", 0.0)
+    ppo_time = times.get("loss_step", 0.0) + times.get("optimizer", 0.0)
+    metrics = {
+        "scores": scores,  # over rows with a finite score
+        "num_stop_tokens": trajectory.response_padding_masks.any(-1).sum(),
+        "rlhf_reward": scores + kl_rewards.sum(1).mean(),
+        "kl": kl.sum(1).mean(),
+        "kl_reward": kl_rewards.sum(1).mean(),
+        "loss": ppo.loss,
+        "policy_loss": ppo.policy_loss,
+        "value_loss": ppo.value_loss,
+        "clipfrac": ppo.clipfrac,
+        "ratios": ppo.ratios,
+        "approx_policy_kl": ppo.approx_policy_kls,
+        "response_lengths": trajectory.seq_lens.float().mean(),
+        "tokens_per_second_per_gpu_trajectory": b * s / traj_time,
+        "tokens_per_second_per_gpu_ppo": ppo_epochs * b * s / ppo_time if ppo_time else 0.0,
+        "generated_tokens_per_second": trajectory.seq_lens.sum() / times["generate"],
+    }
+    metrics.update({f"time/{k}": v for k, v in times.items()})
+    return {k: float(v) for k, v in metrics.items()}
