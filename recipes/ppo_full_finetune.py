@@ -37,6 +37,7 @@ from torchtune_ppo.config import (
 )
 from torchtune_ppo.data import left_pad_prompts
 from torchtune_ppo.generation import Generator
+from torchtune_ppo.guards import SkippedSteps
 from torchtune_ppo.interrupt import stop_on_signals
 from torchtune_ppo.loss_step import ppo_loss_step
 from torchtune_ppo.metrics import PhaseTimer, step_metrics
@@ -74,7 +75,6 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._gamma = cfg.gamma
         self._lmbda = cfg.lmbda
         self._clip_grad_norm = cfg.clip_grad_norm
-        self._max_consecutive_skipped = cfg.max_consecutive_skipped_steps
         self._save_every_n_steps = cfg.save_every_n_steps
         self._log_every_n_steps = cfg.log_every_n_steps
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type == "cuda"
@@ -82,12 +82,13 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self.steps_run = 0
         self.epochs_run = 0
         self._batches_run_in_epoch = 0  # the data position inside the current epoch
-        self._skipped_steps = 0
-        self._consecutive_skipped = 0
+        self._skipped = SkippedSteps(max_consecutive=cfg.max_consecutive_skipped_steps)
         self._pending_rng_state = None  # restored once the data iterator is back in place
         self._last_saved_step = None
 
     def setup(self, cfg: DictConfig) -> None:
+        # First, before anything is written to output_dir: a fresh run must not overwrite one.
+        resume_from = checkpointing.checkpoint_to_resume(self._output_dir, cfg.resume_from_checkpoint)
         self._metric_logger = self._setup_metric_logger(cfg)
         self._metric_logger.log_config(cfg)
         self._tokenizer = config.instantiate(cfg.tokenizer)
@@ -96,9 +97,21 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._stop_token_ids = torch.tensor(list(cfg.stop_token_ids), device=self._device)
         # Every prompt is read and checked before any weights load.
         self._sampler, self._dataloader = self._setup_data(cfg)
-        resume_from = self._find_resume_checkpoint(cfg.resume_from_checkpoint)
-        weights = checkpointing.checkpointer_overrides(resume_from) if resume_from else {}
+        reward_model = self._setup_models(cfg, resume_from)
+        self._optimizer = config.instantiate(
+            cfg.optimizer,
+            chain(self._policy_model.parameters(), self._value_model.parameters()),
+        )
+        self._epsilon, self._value_clip_range, self._value_coeff = self._setup_loss(cfg.loss)
+        self._rollout = self._setup_rollout(cfg, reward_model)
+        self._ppo_loss_step = maybe_compile(ppo_loss_step, enabled=self._compile.loss_step)
+        log.info(f"Compiled regions: {self._compile}")
+        if resume_from:
+            self._load_training_state(resume_from)
 
+    def _setup_models(self, cfg: DictConfig, resume_from: Optional[str]) -> torch.nn.Module:
+        """Policy, reference, value model (from ``resume_from`` when resuming); returns the reward model."""
+        weights = checkpointing.checkpointer_overrides(resume_from) if resume_from else {}
         self._policy_model = self._setup_model(
             cfg.policy_model, "checkpointer", weights.get("policy", {}), trainable=True, cfg=cfg
         )
@@ -116,12 +129,9 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             self._output_dir, cfg.checkpointer, cfg.value_checkpointer,
             keep_last_n=cfg.keep_last_n_checkpoints,
         )
+        return reward_model
 
-        self._optimizer = config.instantiate(
-            cfg.optimizer,
-            chain(self._policy_model.parameters(), self._value_model.parameters()),
-        )
-        self._epsilon, self._value_clip_range, self._value_coeff = self._setup_loss(cfg.loss)
+    def _setup_rollout(self, cfg: DictConfig, reward_model: torch.nn.Module) -> Rollout:
         generator = Generator(
             self._policy_model,
             batch_size=self._forward_batch_size,
@@ -140,7 +150,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         if self._compile.rollout and (self._compile.generate or self._compile.trajectory):
             log.warning("compile.rollout compiles steps 1-6 as one region; "
                         "compile.generate and compile.trajectory are unused.")
-        self._rollout = Rollout(
+        return Rollout(
             generator,
             self._ref_policy_model,
             self._value_model,
@@ -153,38 +163,13 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             compile_trajectory=self._compile.trajectory and not self._compile.rollout,
             fused=self._compile.rollout,
         )
-        self._ppo_loss_step = maybe_compile(ppo_loss_step, enabled=self._compile.loss_step)
-        log.info(f"Compiled regions: {self._compile}")
-        if resume_from:
-            self._load_training_state(resume_from)
-
-    def _find_resume_checkpoint(self, resume: bool) -> Optional[str]:
-        """The checkpoint to resume from, or None for a fresh run; refuses to overwrite one."""
-        if not resume:
-            existing = checkpointing.existing_checkpoints(self._output_dir)
-            if existing:
-                raise FileExistsError(
-                    f"output_dir {self._output_dir!r} already holds checkpoints "
-                    f"({', '.join(str(p) for p in existing[:3])}); a fresh run would overwrite "
-                    "them. Resume with resume_from_checkpoint=True, or choose another output_dir."
-                )
-            return None
-        latest = checkpointing.latest_checkpoint(self._output_dir)
-        if latest is None:
-            raise FileNotFoundError(
-                f"resume_from_checkpoint=True but output_dir {self._output_dir!r} holds no "
-                f"complete checkpoint (<output_dir>/checkpoints/step_<N> with a COMPLETE marker)."
-            )
-        log.info(f"Resuming from {latest}")
-        return str(latest)
 
     def _load_training_state(self, checkpoint: str) -> None:
         state = checkpointing.load_training_state(checkpoint)
         self._optimizer.load_state_dict(state["optimizer"])
         self.steps_run, self.epochs_run = state["steps_run"], state["epochs_run"]
         self._batches_run_in_epoch = state["batches_run_in_epoch"]
-        self._skipped_steps = state["skipped_steps"]
-        self._consecutive_skipped = state["consecutive_skipped"]
+        self._skipped.load_state_dict(state["skipped_steps"])
         self._pending_rng_state = state["rng"]
         self._last_saved_step = self.steps_run
 
@@ -201,7 +186,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model)
-        _check_shapes(model, state_dict, checkpointer_key)
+        checkpointing.check_shapes(model, state_dict, checkpointer_key)
         model.load_state_dict(state_dict)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
         # Dropout would make the trajectory's logprobs disagree with the loss step's.
@@ -325,29 +310,18 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         metrics = step_metrics(trajectory, stats, kl, kl_rewards, timer.times,
                                grad_accum=self._grad_accum, ppo_epochs=self._ppo_epochs)
         updates = self._ppo_epochs * (self._batch_size // self._ppo_batch_size)
-        self._count_skips(skipped=len(stats) < updates * self._grad_accum)
+        self._skipped.count(len(stats) < updates * self._grad_accum)
         metrics.update(
             prompts_truncated=float(num_truncated),
             nonfinite_score_rows=float(bad_rows),
             skipped_updates=float(updates - len(stats) // self._grad_accum),
-            skipped_steps=float(self._skipped_steps),
+            skipped_steps=float(self._skipped.total),
             lr=float(self._optimizer.param_groups[0]["lr"]),
             recompiles=float(self._recompiles.since_mark),
         )
         if self._log_peak_memory_stats:
             metrics.update(training.get_memory_stats(device=self._device))
         return metrics
-
-    def _count_skips(self, skipped: bool) -> None:
-        self._skipped_steps += skipped
-        self._consecutive_skipped = self._consecutive_skipped + 1 if skipped else 0
-        if self._consecutive_skipped >= self._max_consecutive_skipped:
-            raise RuntimeError(
-                f"{self._consecutive_skipped} consecutive steps had non-finite rewards, losses or "
-                f"gradients (max_consecutive_skipped_steps={self._max_consecutive_skipped}); "
-                "stopping. Lower optimizer.lr, check the reward model, or resume from the last "
-                "checkpoint with resume_from_checkpoint=True."
-            )
 
     def estimate_advantages(
         self, trajectory: Trajectory, timer: PhaseTimer
@@ -433,8 +407,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             "steps_run": self.steps_run,
             "epochs_run": self.epochs_run,
             "batches_run_in_epoch": self._batches_run_in_epoch,
-            "skipped_steps": self._skipped_steps,
-            "consecutive_skipped": self._consecutive_skipped,
+            "skipped_steps": self._skipped.state_dict(),
             "rng": checkpointing.capture_rng_state([self._rng]),
         }
         self._checkpoints.save(
@@ -447,18 +420,6 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
 
     def cleanup(self) -> None:
         self._metric_logger.close()
-
-
-def _check_shapes(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], key: str) -> None:
-    """Names the checkpointer, parameter and both shapes when a checkpoint does not fit."""
-    expected = model.state_dict()
-    for name, tensor in state_dict.items():
-        if name in expected and expected[name].shape != tensor.shape:
-            raise ValueError(
-                f"{key}: parameter {name!r} has shape {tuple(tensor.shape)} in the checkpoint but "
-                f"{tuple(expected[name].shape)} in the model; the checkpoint is of another model "
-                f"size or family than the config's model builder."
-            )
 
 
 @config.parse

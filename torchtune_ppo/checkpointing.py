@@ -576,3 +576,52 @@ def _as_tuple(x: Any) -> Any:
     # random.setstate needs tuples; a state that went through JSON or a list-converting
     # serializer comes back as lists.
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ----------------------------------------------------------------------------- recipe helpers
+
+
+def checkpoint_to_resume(output_dir: Union[str, Path], resume: bool) -> Optional[str]:
+    """The checkpoint a run starts from: None for a fresh run, the newest complete one to resume.
+
+    Args:
+        output_dir (Union[str, Path]): the run's output folder.
+        resume (bool): ``resume_from_checkpoint``.
+
+    Raises:
+        FileExistsError: a fresh run into a folder that holds checkpoints (it would overwrite them).
+        FileNotFoundError: resuming, but no complete checkpoint is there.
+    """
+    if not resume:
+        existing = existing_checkpoints(output_dir)
+        if existing:
+            raise FileExistsError(
+                f"output_dir {str(output_dir)!r} already holds checkpoints "
+                f"({', '.join(str(p) for p in existing[:3])}); a fresh run would overwrite "
+                "them. Resume with resume_from_checkpoint=True, or choose another output_dir."
+            )
+        return None
+    latest = latest_checkpoint(output_dir)
+    if latest is None:
+        raise FileNotFoundError(
+            f"resume_from_checkpoint=True but output_dir {str(output_dir)!r} holds no complete "
+            f"checkpoint (<output_dir>/{CHECKPOINTS_DIRNAME}/step_<N> with a {MARKER_FNAME} marker)."
+        )
+    log.info(f"Resuming from {latest}")
+    return str(latest)
+
+
+def check_shapes(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], key: str) -> None:
+    """Names the checkpointer ``key``, the parameter and both shapes when a checkpoint does not fit.
+
+    Raises:
+        ValueError: a tensor's shape differs from the model parameter of the same name.
+    """
+    expected = model.state_dict()
+    for name, tensor in state_dict.items():
+        if name in expected and expected[name].shape != tensor.shape:
+            raise ValueError(
+                f"{key}: parameter {name!r} has shape {tuple(tensor.shape)} in the checkpoint but "
+                f"{tuple(expected[name].shape)} in the model; the checkpoint is of another model "
+                f"size or family than the config's model builder."
+            )
