@@ -201,7 +201,7 @@ class Generator:
         self.vocab_size = model.tok_embeddings.num_embeddings
         check_sampling(temperature, top_k, top_p, prefix="Generator: ")
         check_compile_mode(compile_mode, key="Generator: compile_mode")
-        self._validate_sizes()
+        _check_sizes(self)
         top_k = None if top_k is None else min(top_k, self.vocab_size)
         top_p = None if top_p is None or top_p >= 1.0 else top_p
         self.sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
@@ -222,23 +222,6 @@ class Generator:
             dtype=dtype or param.dtype, device=self.device,
         )
         self._setup_buffers()
-
-    def _validate_sizes(self) -> None:
-        for name in ("batch_size", "max_prompt_len", "max_generated_tokens", "stop_check_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Generator: {name}={value!r} is invalid; expected an int >= 1.")
-        seq_len = self.max_prompt_len + self.max_generated_tokens
-        if seq_len > self.model.max_seq_len:
-            raise ValueError(
-                f"Generator: max_prompt_len + max_generated_tokens = {seq_len} exceeds the "
-                f"model's max_seq_len={self.model.max_seq_len}."
-            )
-        bad = [t for t in self.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"Generator: stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})."
-            )
 
     def _setup_buffers(self) -> None:
         B, P, T = self.batch_size, self.max_prompt_len, self.max_generated_tokens
@@ -265,31 +248,6 @@ class Generator:
         self._logprob_cols = self._logprobs_out.unbind(1)
         self._stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=dev)
 
-    def _validate_prompts(self, prompts: torch.Tensor, prompt_lens: torch.Tensor,
-                          rng: Optional[torch.Generator]) -> int:
-        P = self.max_prompt_len
-        if not (isinstance(prompts, torch.Tensor) and prompts.ndim == 2 and prompts.shape[1] == P
-                and 1 <= prompts.shape[0] <= self.batch_size):
-            got = tuple(prompts.shape) if isinstance(prompts, torch.Tensor) else type(prompts).__name__
-            raise ValueError(
-                f"generate: prompts must have shape [b, max_prompt_len] = [b, {P}] with "
-                f"1 <= b <= batch_size={self.batch_size}, left-padded; got {got}."
-            )
-        if prompts.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"generate: prompts must be int64 (or int32) token ids; got {prompts.dtype}.")
-        b = prompts.shape[0]
-        if not (isinstance(prompt_lens, torch.Tensor) and prompt_lens.shape == (b,)
-                and not prompt_lens.is_floating_point()):
-            got = tuple(prompt_lens.shape) if isinstance(prompt_lens, torch.Tensor) else prompt_lens
-            raise ValueError(f"generate: prompt_lens must be an integer tensor of shape [{b}]; got {got}.")
-        if bool((prompt_lens < 0).any() | (prompt_lens > P).any()):
-            raise ValueError(
-                f"generate: prompt_lens must be in [0, max_prompt_len={P}]; got {prompt_lens.tolist()}."
-            )
-        if rng is not None and rng.device.type != self.device.type:
-            raise ValueError(f"generate: rng is a {rng.device} generator but the model is on {self.device}.")
-        return b
-
     def prepare(self, prompts: torch.Tensor, prompt_lens: torch.Tensor,
                 rng: Optional[torch.Generator] = None) -> GenerationInputs:
         """Checks ``b <= batch_size`` prompts and loads them into the buffers in place.
@@ -297,7 +255,7 @@ class Generator:
         Rows ``b:`` become empty filler rows, sliced off the outputs. ``rng`` is only checked.
         Call inside ``kv_cache.decoding()``; :meth:`generate` does both.
         """
-        b = self._validate_prompts(prompts, prompt_lens, rng)
+        b = _check_prompts(self, prompts, prompt_lens, rng)
         inp, P = self.inputs, self.max_prompt_len
         inp.tokens[:b].copy_(prompts)
         inp.tokens[b:].fill_(self.pad_id)
@@ -400,3 +358,48 @@ class Generator:
     def _all_done(self, b: int, i: int) -> bool:
         """Whether each real row has a stop token among its first ``i`` tokens (host sync)."""
         return bool(torch.isin(self._tokens_out[:b, :i], self._stop_ids).any(-1).all())
+
+
+# Argument checks, kept out of the class so that it reads as what it does.
+def _check_sizes(gen: "Generator") -> None:
+    for name in ("batch_size", "max_prompt_len", "max_generated_tokens", "stop_check_every"):
+        value = getattr(gen, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"Generator: {name}={value!r} is invalid; expected an int >= 1.")
+    seq_len = gen.max_prompt_len + gen.max_generated_tokens
+    if seq_len > gen.model.max_seq_len:
+        raise ValueError(
+            f"Generator: max_prompt_len + max_generated_tokens = {seq_len} exceeds the "
+            f"model's max_seq_len={gen.model.max_seq_len}."
+        )
+    bad = [t for t in gen.stop_token_ids if not 0 <= t < gen.vocab_size]
+    if bad:
+        raise ValueError(
+            f"Generator: stop_token_ids {bad} are outside the vocabulary [0, {gen.vocab_size})."
+        )
+
+
+def _check_prompts(gen: "Generator", prompts: torch.Tensor, prompt_lens: torch.Tensor,
+                   rng: Optional[torch.Generator]) -> int:
+    P = gen.max_prompt_len
+    if not (isinstance(prompts, torch.Tensor) and prompts.ndim == 2 and prompts.shape[1] == P
+            and 1 <= prompts.shape[0] <= gen.batch_size):
+        got = tuple(prompts.shape) if isinstance(prompts, torch.Tensor) else type(prompts).__name__
+        raise ValueError(
+            f"generate: prompts must have shape [b, max_prompt_len] = [b, {P}] with "
+            f"1 <= b <= batch_size={gen.batch_size}, left-padded; got {got}."
+        )
+    if prompts.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"generate: prompts must be int64 (or int32) token ids; got {prompts.dtype}.")
+    b = prompts.shape[0]
+    if not (isinstance(prompt_lens, torch.Tensor) and prompt_lens.shape == (b,)
+            and not prompt_lens.is_floating_point()):
+        got = tuple(prompt_lens.shape) if isinstance(prompt_lens, torch.Tensor) else prompt_lens
+        raise ValueError(f"generate: prompt_lens must be an integer tensor of shape [{b}]; got {got}.")
+    if bool((prompt_lens < 0).any() | (prompt_lens > P).any()):
+        raise ValueError(
+            f"generate: prompt_lens must be in [0, max_prompt_len={P}]; got {prompt_lens.tolist()}."
+        )
+    if rng is not None and rng.device.type != gen.device.type:
+        raise ValueError(f"generate: rng is a {rng.device} generator but the model is on {gen.device}.")
+    return b
