@@ -1,0 +1,8 @@
+"""The PPO step benchmark behind ``benchmarks/bench_ppo.py``, one concern a module.
+
+- ``rows``: the table of rows and the entry point of the child process that runs one row;
+  ``ours_row`` and ``torchtune_row`` time each recipe, ``device`` holds what both need.
+- ``configs`` and ``gpu_model``: the configs the rows share (and the ``--gpu`` checkpoints).
+- ``running``: launching the rows, one fresh process each, within the time budgets.
+- ``summary`` and ``report``: medians and speedups; markdown, JSON and chart.
+"""
