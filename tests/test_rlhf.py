@@ -30,11 +30,18 @@ def test_whiten_by_hand():
     torch.testing.assert_close(rlhf.whiten(x, mask), T([[-1.0, 0.0, 1.0, 0.0]]), atol=1e-6, rtol=0)
 
 
-def test_torchtune_whiten_keeps_the_mean_ours_removes_it():
+def test_whiten_is_torchtunes_without_the_mean_added_back():
+    # torchtune's default adds the mean (2) back: [-1, 0, 1] + 2; ours leaves it out
     x = T([[1.0, 2.0, 3.0]])
     mask = torch.ones_like(x, dtype=torch.bool)
-    assert tt_rlhf.whiten(x, mask).mean().item() == pytest.approx(2.0, abs=1e-5)
-    assert rlhf.whiten(x, mask).mean().item() == pytest.approx(0.0, abs=1e-6)
+    torch.testing.assert_close(rlhf.whiten(x, mask), T([[-1.0, 0.0, 1.0]]), atol=1e-6, rtol=0)
+    torch.manual_seed(3)
+    x = torch.randn(3, 5) * 2 + 4
+    mask = torch.rand(3, 5) > 0.3
+    ours = rlhf.whiten(x, mask)
+    tt = tt_rlhf.whiten(x, mask, shift_mean=False)
+    torch.testing.assert_close(ours[mask], tt[mask], atol=1e-5, rtol=1e-5)
+    assert torch.all(ours[~mask] == 0)
 
 
 def test_truncate_after_stop_token_matches_torchtune_docstring_example():
@@ -138,6 +145,15 @@ def test_policy_clipping_is_pessimistic_only():
     _, policy_loss, _, _, clipfrac = rlhf.ppo_loss(**_loss_inputs([-0.5], [1.0]))
     assert policy_loss.item() == pytest.approx(-math.exp(-0.5), abs=1e-6)
     assert clipfrac.item() == 0.0
+
+
+def test_logged_ratios_average_valid_tokens_only():
+    # valid log-ratios 0.1 and -0.2; the masked token's ratio e^3 must not count
+    inputs = _loss_inputs([0.1, -0.2, 3.0], [1.0, 1.0, 1.0])
+    inputs["masks"] = T([[True, True, False]])
+    _, _, _, ratios, clipfrac = rlhf.ppo_loss(**inputs)
+    assert ratios.item() == pytest.approx((math.exp(0.1) + math.exp(-0.2)) / 2, abs=1e-6)
+    assert clipfrac.item() == 0.0  # only the masked ratio is outside [0.8, 1.2]
 
 
 def test_value_clipping_by_hand():

@@ -1,0 +1,270 @@
+"""The recipe's own steps, in-process on the tiny task: PPO update, advantages, loss stats."""
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_policy
+from ppo_full_finetune import PhaseTimer, PPOFullFinetuneRecipe
+from torchtune_ppo import rlhf
+from torchtune_ppo.config import validate_config
+from torchtune_ppo.loss_step import ppo_loss_step
+from torchtune_ppo.trajectory import Trajectory, masks_and_positions, score_trajectory
+
+CONFIG = Path(__file__).parents[1] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
+SMALL = dict(
+    batch_size=8,
+    forward_batch_size=4,
+    ppo_batch_size=4,
+    gradient_accumulation_steps=2,
+    max_generated_tokens=8,
+)
+# Plain SGD, no clipping: each optimizer step moves the parameters by exactly -LR * grad.
+LR = 0.1
+SGD = {"optimizer._component_": "torch.optim.SGD", "optimizer.lr": LR, "clip_grad_norm": "null"}
+CPU = torch.device("cpu")
+
+
+def _config(output_dir, **overrides):
+    cfg = OmegaConf.load(CONFIG)
+    items = {**SMALL, "output_dir": output_dir, **overrides}
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in items.items()]))
+    return validate_config(cfg)
+
+
+@pytest.fixture
+def make_recipe(tmp_path):
+    """``make_recipe(**overrides) -> (recipe, cfg)``, set up; cleaned up after the test."""
+    recipes = []
+
+    def make(**overrides):
+        cfg = _config(tmp_path, **overrides)
+        recipe = PPOFullFinetuneRecipe(cfg)
+        recipe.setup(cfg)
+        recipes.append(recipe)
+        return recipe, cfg
+
+    yield make
+    for recipe in recipes:
+        recipe.cleanup()
+
+
+def _trajectory(recipe, cfg, scores):
+    """A trajectory of the recipe's models on real prompts; every response stops at index 5.
+
+    Equal valid lengths make the masked mean over a minibatch equal to the mean of its
+    micro-batches' masked means, whatever rows a micro-batch draws.
+    """
+    b, t, p = cfg.batch_size, cfg.max_generated_tokens, cfg.max_prompt_len
+    batch = next(iter(recipe._dataloader))
+    g = torch.Generator().manual_seed(0)
+    responses = torch.randint(3, 500, (b, t), generator=g)
+    responses[:, 5] = EOS_ID  # tokens after it become padding: 6 valid tokens per row
+    with torch.no_grad():
+        return score_trajectory(
+            torch.cat([batch["tokens"], responses], 1),
+            batch["prompt_lens"],
+            None,
+            recipe._policy_model,
+            recipe._ref_policy_model,
+            recipe._value_model,
+            lambda tokens, masks, position_ids, last_idx: scores,
+            torch.tensor([EOS_ID]),
+            prompt_len=p,
+            pad_id=PAD_ID,
+            temperature=float(cfg.temperature),
+            penalise_no_eos=True,
+            min_response_length=None,
+            reward_penalty=-3.0,
+        )
+
+
+def _loss_kwargs(cfg):
+    return dict(
+        prompt_len=cfg.max_prompt_len,
+        temperature=float(cfg.temperature),
+        epsilon=cfg.loss.epsilon,
+        value_clip_range=cfg.loss.value_clip_range,
+        value_coeff=cfg.loss.value_coeff,
+    )
+
+
+def _full_batch_grads(policy, value, trajectory, advantages, returns, cfg):
+    """Gradients of the PPO loss over all rows at once (no accumulation), and its stats."""
+    for m in (policy, value):
+        m.zero_grad(set_to_none=True)
+    loss, stats = ppo_loss_step(
+        policy, value,
+        trajectory.query_responses, trajectory.masks, trajectory.position_ids,
+        trajectory.response_padding_masks, trajectory.logprobs, trajectory.values,
+        advantages, returns, loss_scale=1.0, **_loss_kwargs(cfg),
+    )
+    loss.backward()
+    grads = [p.grad.clone() for m in (policy, value) for p in m.parameters()]
+    return grads, stats
+
+
+def _trained(recipe):
+    return [p for m in (recipe._policy_model, recipe._value_model) for p in m.parameters()]
+
+
+def _params(recipe):
+    return [p.detach().clone() for p in _trained(recipe)]
+
+
+def _assert_params_close(actual, expected):
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(a, e, atol=1e-7, rtol=1e-4, msg=lambda m: f"parameter {i}: {m}")
+
+
+def test_accumulated_update_equals_sgd_step_on_the_minibatch_mean_gradient(make_recipe):
+    # one minibatch of 4 rows in 2 micro-batches of 2, one epoch
+    recipe, cfg = make_recipe(batch_size=4, ppo_epochs=1, **SGD)
+    trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
+    advantages, returns, _, _ = recipe.estimate_advantages(trajectory, PhaseTimer(CPU))
+    before = _params(recipe)
+    policy, value = copy.deepcopy(recipe._policy_model), copy.deepcopy(recipe._value_model)
+    grads, full_stats = _full_batch_grads(policy, value, trajectory, advantages, returns, cfg)
+
+    stats = recipe.ppo_update(trajectory, advantages, returns, PhaseTimer(CPU))
+
+    assert len(stats) == 2  # two micro-batches
+    assert max(g.abs().max().item() for g in grads) > 1e-3  # the step is not trivially zero
+    _assert_params_close(_params(recipe), [p - LR * g for p, g in zip(before, grads)])
+    # each micro-batch's stats carry 1/grad_accum, so their sum is the minibatch's
+    for name, micro_a, micro_b, full in zip(rlhf.PPOStats._fields, *stats, full_stats):
+        torch.testing.assert_close(micro_a + micro_b, full, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_consecutive_minibatches_do_not_accumulate_into_each_other(make_recipe):
+    # two epochs over one 4-row minibatch: two optimizer steps on the same rows
+    recipe, cfg = make_recipe(batch_size=4, ppo_epochs=2, **SGD)
+    trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
+    advantages, returns, _, _ = recipe.estimate_advantages(trajectory, PhaseTimer(CPU))
+    policy, value = copy.deepcopy(recipe._policy_model), copy.deepcopy(recipe._value_model)
+    params = [p for m in (policy, value) for p in m.parameters()]
+    for _ in range(2):  # theta_{k+1} = theta_k - LR * grad(theta_k), fresh gradients each step
+        grads, _ = _full_batch_grads(policy, value, trajectory, advantages, returns, cfg)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p -= LR * g
+
+    recipe.ppo_update(trajectory, advantages, returns, PhaseTimer(CPU))
+
+    _assert_params_close(_params(recipe), [p.detach() for p in params])
+    assert all(p.grad is None for p in _trained(recipe))
+
+
+def _hand_trajectory(scores, logprobs, ref_logprobs, valid):
+    b, t = logprobs.shape
+    masks, position_ids = masks_and_positions(torch.full((b,), 2), 2, t)
+    return Trajectory(
+        query_responses=torch.zeros(b, 2 + t, dtype=torch.long),
+        logprobs=logprobs * valid,
+        ref_logprobs=ref_logprobs * valid,
+        values=torch.zeros(b, t),
+        masks=masks,
+        position_ids=position_ids,
+        response_padding_masks=~valid,
+        scores=scores,
+        seq_lens=valid.sum(-1),
+    )
+
+
+def test_estimate_advantages_returns_are_score_plus_kl_rewards_to_go(tmp_path):
+    recipe = PPOFullFinetuneRecipe(_config(tmp_path, kl_coeff=0.5, gamma=1.0, lmbda=1.0))
+    valid = torch.tensor([[True, True, False, False], [True, True, True, True]])
+    logprobs = torch.tensor([[-1.0, -2.0, -9.0, -9.0], [-1.0, -1.0, -1.0, -1.0]])
+    ref_logprobs = torch.tensor([[-1.5, -1.0, 0.0, 0.0], [-2.0, -1.0, -1.0, -3.0]])
+    trajectory = _hand_trajectory(torch.tensor([3.0, -1.0]), logprobs, ref_logprobs, valid)
+
+    advantages, returns, kl, kl_rewards = recipe.estimate_advantages(trajectory, PhaseTimer(CPU))
+
+    # kl = logprobs - ref on valid tokens: [0.5, -1], [1, 0, 0, 2]; kl_rewards = -0.5 * kl
+    torch.testing.assert_close(kl, torch.tensor([[0.5, -1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 2.0]]))
+    torch.testing.assert_close(
+        kl_rewards, torch.tensor([[-0.25, 0.5, 0.0, 0.0], [-0.5, 0.0, 0.0, -1.0]])
+    )
+    # gamma = lambda = 1, values 0: returns are rewards-to-go, the score counted at each valid token
+    # row 0: [3 - 0.25 + 0.5, 3 + 0.5]; row 1: [-1 - 0.5 - 1, -1 - 1, -1 - 1, -1 - 1]
+    torch.testing.assert_close(
+        returns, torch.tensor([[3.25, 3.5, 0.0, 0.0], [-2.5, -2.0, -2.0, -2.0]]), atol=1e-6, rtol=0
+    )
+    # advantages: the returns whitened over the 6 valid tokens (mean 1/6), 0 elsewhere
+    valid_returns = torch.tensor([3.25, 3.5, -2.5, -2.0, -2.0, -2.0])
+    expected = (valid_returns - valid_returns.mean()) / valid_returns.std()
+    torch.testing.assert_close(advantages[valid], expected, atol=1e-5, rtol=0)
+    assert torch.all(advantages[~valid] == 0)
+
+
+def test_changing_one_score_moves_only_that_rows_returns_by_the_change(tmp_path):
+    recipe = PPOFullFinetuneRecipe(_config(tmp_path, kl_coeff=0.0, gamma=1.0, lmbda=1.0))
+    g = torch.Generator().manual_seed(0)
+    valid = torch.arange(6) < torch.tensor([[6], [3], [1]])
+    logprobs, ref_logprobs = -torch.rand(3, 6, generator=g), -torch.rand(3, 6, generator=g)
+    scores = torch.tensor([0.5, -1.0, 2.0])
+    before = _hand_trajectory(scores, logprobs, ref_logprobs, valid)
+    after = before._replace(scores=torch.tensor([0.5, 6.0, 2.0]))  # row 1: +7
+
+    _, returns_before, _, _ = recipe.estimate_advantages(before, PhaseTimer(CPU))
+    adv_after, returns_after, _, _ = recipe.estimate_advantages(after, PhaseTimer(CPU))
+
+    # no KL penalty, no values, no discount: every valid token's return is its row's score
+    torch.testing.assert_close(returns_before, scores[:, None] * valid, atol=1e-6, rtol=0)
+    delta = returns_after - returns_before
+    torch.testing.assert_close(delta[1], torch.tensor([7.0] * 3 + [0.0] * 3), atol=1e-6, rtol=0)
+    assert torch.all(delta[[0, 2]] == 0)
+    # values 0: the advantages are the returns whitened over the 10 valid tokens
+    valid_returns = torch.tensor([0.5] * 6 + [6.0] * 3 + [2.0])
+    expected = (valid_returns - valid_returns.mean()) / valid_returns.std()
+    torch.testing.assert_close(adv_after[valid], expected, atol=1e-5, rtol=0)
+
+
+def test_loss_step_stats_ratios_and_approx_kl_are_masked_means():
+    policy, value = tiny_policy(), tiny_classifier()
+    p, t = 4, 4
+    prompts = left_padded_prompts([4, 2], p)
+    responses = torch.tensor([[5, 6, EOS_ID, PAD_ID], [7, 8, 9, 10]])
+    pad = torch.tensor([[False, False, False, True], [False] * 4])
+    masks, pos = masks_and_positions(torch.tensor([4, 2]), p, t)
+    qr = torch.cat([prompts, responses], 1)
+    with torch.no_grad():
+        pi = rlhf.response_logprobs(policy(qr, mask=masks, input_pos=pos), responses, p, 1.0) * ~pad
+    # old logprobs = current + d; the padded token gets d = 5, which must not count
+    d = torch.tensor([[0.2, -0.4, 0.1, 5.0], [0.0, 0.3, -0.2, 0.1]])
+    zeros = torch.zeros(2, t)
+    _, stats = ppo_loss_step(
+        policy, value, qr, masks, pos, pad, pi + d, zeros, zeros, zeros,
+        prompt_len=p, temperature=1.0, epsilon=0.2, value_clip_range=0.2, value_coeff=0.1,
+        loss_scale=1.0,
+    )
+    # 7 valid tokens: sum of d^2 = .04 + .16 + .01 + 0 + .09 + .04 + .01 = 0.35
+    assert stats.approx_policy_kls.item() == pytest.approx(0.5 * 0.35 / 7, abs=1e-6)
+    # ratios = exp(pi - old) = exp(-d), averaged over the valid tokens only
+    ratio_sum = sum(math.exp(-x) for x in (0.2, -0.4, 0.1, 0.0, 0.3, -0.2, 0.1))
+    assert stats.ratios.item() == pytest.approx(ratio_sum / 7, abs=1e-6)
+
+
+def test_train_step_metrics_of_a_first_step(make_recipe):
+    # one minibatch of all 8 rows in 2 micro-batches, one epoch: the loss is taken at the
+    # weights that generated the batch, and the policy still equals the reference
+    recipe, cfg = make_recipe(ppo_batch_size=8, ppo_epochs=1)
+    batch = next(iter(recipe._dataloader))
+    metrics = recipe.train_step(batch["tokens"], batch["prompt_lens"], num_truncated=3)
+
+    assert metrics["prompts_truncated"] == 3.0
+    # micro-batch stats carry 1/grad_accum and are summed per minibatch: ratios of 1 log as 1
+    assert metrics["ratios"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["approx_policy_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["clipfrac"] == 0.0
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-4)
+    assert metrics["rlhf_reward"] == pytest.approx(metrics["scores"], abs=1e-4)
+    loss = metrics["policy_loss"] + cfg.loss.value_coeff * metrics["value_loss"]
+    assert metrics["loss"] == pytest.approx(loss, abs=1e-5)
+    assert 1.0 <= metrics["response_lengths"] <= cfg.max_generated_tokens
+    assert 0.0 <= metrics["num_stop_tokens"] <= cfg.batch_size
