@@ -29,6 +29,7 @@ from torchtune_ppo import checkpointing, rlhf
 from torchtune_ppo._compile import RecompileCounter, maybe_compile
 from torchtune_ppo.config import (
     check_cli_overrides,
+    check_sequence_length,
     instantiate_dataset,
     parse_compile,
     validate_config,
@@ -62,7 +63,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._rng = torch.Generator(self._device).manual_seed(self.seed)
         self._compile = parse_compile(cfg.compile)
         self._output_dir = cfg.output_dir
-        self._num_steps = cfg.num_steps
+        self._num_steps = cfg.num_ppo_steps
         self._batch_size = cfg.batch_size
         self._forward_batch_size = cfg.forward_batch_size
         self._ppo_epochs = cfg.ppo_epochs
@@ -74,8 +75,10 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._kl_coeff = cfg.kl_coeff
         self._gamma = cfg.gamma
         self._lmbda = cfg.lmbda
+        self._whiten_rewards = cfg.whiten_rewards
         self._clip_grad_norm = cfg.clip_grad_norm
         self._save_every_n_steps = cfg.save_every_n_steps
+        self._save_every_n_epochs = cfg.save_every_n_epochs
         self._log_every_n_steps = cfg.log_every_n_steps
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type == "cuda"
         self._recompiles = RecompileCounter()
@@ -102,6 +105,9 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             cfg.optimizer,
             chain(self._policy_model.parameters(), self._value_model.parameters()),
         )
+        self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler)
+        self._profiler = training.setup_torch_profiler(enabled=False)[0] if cfg.profiler is None \
+            else config.instantiate(cfg.profiler)[0]
         self._epsilon, self._value_clip_range, self._value_coeff = self._setup_loss(cfg.loss)
         self._rollout = self._setup_rollout(cfg, reward_model)
         self._ppo_loss_step = maybe_compile(ppo_loss_step, enabled=self._compile.loss_step)
@@ -167,6 +173,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     def _load_training_state(self, checkpoint: str) -> None:
         state = checkpointing.load_training_state(checkpoint)
         self._optimizer.load_state_dict(state["optimizer"])
+        if self._lr_scheduler is not None:
+            self._lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.steps_run, self.epochs_run = state["steps_run"], state["epochs_run"]
         self._batches_run_in_epoch = state["batches_run_in_epoch"]
         self._skipped.load_state_dict(state["skipped_steps"])
@@ -200,6 +208,15 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             model.requires_grad_(False)
         return model
 
+    def _setup_lr_scheduler(self, cfg_scheduler: Optional[DictConfig]):
+        if cfg_scheduler is None:
+            return None
+        # torchtune's schedulers take the optimizer and the run's length in optimizer steps.
+        optimizer_steps = self._num_steps * self._ppo_epochs * (self._batch_size // self._ppo_batch_size)
+        return config.instantiate(
+            cfg_scheduler, self._optimizer, num_training_steps=optimizer_steps
+        )
+
     def _setup_loss(self, cfg_loss: DictConfig) -> Tuple[float, float, float]:
         # Accepts torchtune's `_component_: torchtune.rlhf.loss.PPOLoss` block or plain keys.
         loss = config.instantiate(cfg_loss) if "_component_" in cfg_loss else cfg_loss
@@ -208,6 +225,10 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     def _setup_data(self, cfg: DictConfig) -> Tuple[DistributedSampler, DataLoader]:
         dataset = instantiate_dataset(cfg.dataset, self._tokenizer)
         num_long = validate_dataset(dataset, cfg)
+        if self._prompt_len is None:  # max_prompt_len: null
+            self._prompt_len = max(len(dataset[i]["tokens"]) for i in range(len(dataset)))
+            check_sequence_length(cfg, self._prompt_len)
+            log.info(f"max_prompt_len: null, so P = {self._prompt_len}, the longest prompt.")
         if num_long:
             log.info(f"{num_long} of {len(dataset)} prompts are longer than max_prompt_len="
                      f"{self._prompt_len}; their last {self._prompt_len} tokens are kept.")
@@ -257,6 +278,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         finite = torch.stack([loss.isfinite(), grad_norm.isfinite()]).tolist()  # one host sync
         if all(finite):
             self._optimizer.step()
+            if self._lr_scheduler is not None:
+                self._lr_scheduler.step()
         else:
             quantity = "loss" if not finite[0] else "gradient norm"
             log.warning(f"step {self.steps_run + 1}: non-finite {quantity} ({loss.item():.4g}, grad "
@@ -337,6 +360,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                 trajectory.seq_lens,
                 valid,
             )
+            if self._whiten_rewards:
+                rewards = rlhf.whiten(rewards, valid)
             advantages, returns = rlhf.estimate_advantages(
                 trajectory.values, rewards, self._gamma, self._lmbda, valid
             )
@@ -348,9 +373,11 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         SIGINT or SIGTERM finishes the current step, saves a checkpoint and exits.
         """
         pbar = tqdm(total=self._num_steps, initial=self.steps_run, desc="PPO", dynamic_ncols=True)
+        self._profiler.start()
         with stop_on_signals() as stop:
             while self.steps_run < self._num_steps and not stop:
                 self._run_epoch(on_step, pbar, stop)
+        self._profiler.stop()
         pbar.close()
         if self._last_saved_step != self.steps_run:
             self.save_checkpoint(self.steps_run)
@@ -378,14 +405,24 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             if not self._recompiles.marked:
                 self._recompiles.mark()  # everything after the first step must reuse its graphs
             self._log(metrics, pbar)
+            self._profiler.step()
             if on_step is not None:
                 on_step(self.steps_run, metrics)
-            if self._save_every_n_steps and self.steps_run % self._save_every_n_steps == 0:
+            if self._save_due():
                 self.save_checkpoint(self.steps_run)
             if self.steps_run == self._num_steps or stop:
                 return
         self.epochs_run += 1
         self._batches_run_in_epoch = 0
+
+    def _save_due(self) -> bool:
+        every_n_steps = self._save_every_n_steps and self.steps_run % self._save_every_n_steps == 0
+        # Saved at an epoch's last batch (not after the loop) so that a resume finds the data
+        # iterator and the random state in the same order as the uninterrupted run.
+        epoch_done = self._batches_run_in_epoch == len(self._dataloader)
+        every_n_epochs = (self._save_every_n_epochs and epoch_done
+                          and (self.epochs_run + 1) % self._save_every_n_epochs == 0)
+        return bool(every_n_steps or every_n_epochs)
 
     def _log(self, metrics: Dict[str, float], pbar: tqdm) -> None:
         if self.steps_run % self._log_every_n_steps == 0:
@@ -404,6 +441,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         training state (optimizer, counters, data position, random states), atomically."""
         training_state = {
             "optimizer": self._optimizer.state_dict(),
+            "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
             "steps_run": self.steps_run,
             "epochs_run": self.epochs_run,
             "batches_run_in_epoch": self._batches_run_in_epoch,

@@ -110,7 +110,7 @@ def test_partial_compile_block_from_the_command_line_is_refused():
 
 def test_bool_and_dotted_compile_on_one_command_line_is_refused():
     # Over the tiny YAML's full block the merge is complete, so only the command line shows it.
-    check_cli_overrides(["--config", "x.yaml", "compile=True", "num_steps=3"])
+    check_cli_overrides(["--config", "x.yaml", "compile=True", "num_ppo_steps=3"])
     check_cli_overrides(["compile.generate=False", "compile.trajectory=True"])
     with pytest.raises(ValueError) as info:
         check_cli_overrides(["--config", "x.yaml", "compile=True", "compile.generate=False"])
@@ -316,7 +316,10 @@ def test_missing_column_names_it_and_lists_the_columns(tmp_path):
 
 
 def test_new_keys_have_defaults_and_are_checked():
-    cfg = validate_config(_cfg())
+    base = _cfg()
+    for key in ("max_consecutive_skipped_steps", "keep_last_n_checkpoints"):
+        del base[key]  # the shipped config sets them
+    cfg = validate_config(base)
     assert cfg.max_consecutive_skipped_steps == 3 and cfg.keep_last_n_checkpoints is None
     cfg = validate_config(_cfg(keep_last_n_checkpoints=2, save_every_n_steps=5))
     assert cfg.keep_last_n_checkpoints == 2 and cfg.save_every_n_steps == 5
@@ -333,3 +336,35 @@ def test_new_keys_have_defaults_and_are_checked():
 
 def _tokenizer():
     return tt_config.instantiate(_cfg().tokenizer)
+
+
+# --- torchtune's PPO config keys --------------------------------------------------------------
+
+
+def test_num_steps_counts_prompts_as_in_torchtune(caplog):
+    base = _cfg(batch_size=32)
+    del base["num_ppo_steps"]
+    base.num_steps = 1000
+    cfg = validate_config(base)
+    assert cfg.num_ppo_steps == 31 and "num_steps" not in cfg  # 1000 // 32, as torchtune runs
+    with pytest.raises(ValueError, match="num_steps counts prompts, as in torchtune's recipe: "
+                                         "num_steps=16 is fewer than batch_size=32"):
+        validate_config(OmegaConf.merge(base, {"num_steps": 16}))
+    with pytest.raises(ValueError, match="are both set; give one"):
+        validate_config(OmegaConf.merge(base, {"num_ppo_steps": 3}))
+    del base["num_steps"]
+    with pytest.raises(ValueError, match="missing num_ppo_steps"):
+        validate_config(base)
+
+
+def test_torchtune_only_keys_are_mapped_or_checked():
+    cfg = validate_config(_cfg(enable_kv_cache=False, whiten_rewards=True, save_every_n_epochs=2))
+    assert "enable_kv_cache" not in cfg and cfg.whiten_rewards and cfg.save_every_n_epochs == 2
+    assert cfg.max_prompt_len == 12
+    assert validate_config(_cfg(max_prompt_len="null")).max_prompt_len is None  # longest prompt
+    with pytest.raises(ValueError, match="optimizer_in_bwd=True .* gradient_accumulation_steps=1"):
+        validate_config(_cfg(optimizer_in_bwd=True, gradient_accumulation_steps=2, clip_grad_norm="null"))
+    with pytest.raises(ValueError, match="optimizer_in_bwd=True .* clip_grad_norm=null"):
+        validate_config(_cfg(optimizer_in_bwd=True))
+    with pytest.raises(ValueError, match="whiten_rewards must be true or false"):
+        validate_config(_cfg(whiten_rewards="sometimes"))

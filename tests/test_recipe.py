@@ -48,7 +48,7 @@ def _load_policy(checkpoint_dir: Path, output_dir: Path, filename="model-00001-o
 
 def test_eager_run_trains_and_saves_hf_checkpoints(tmp_path):
     out = tmp_path / "run"
-    proc, rows = run_recipe(out, "num_steps=3", "save_every_n_steps=2", "compile=False")
+    proc, rows = run_recipe(out, "num_ppo_steps=3", "save_every_n_steps=2", "compile=False")
     assert len(rows) == 3
     for row in rows:
         for key in ("loss", "policy_loss", "value_loss", "kl", "scores", "ratios", "clipfrac"):
@@ -83,7 +83,7 @@ GOLDEN = Path(__file__).parent / "golden" / "tiny_sentiment_eager_4_steps.json"
 def test_seeded_run_logs_the_recorded_metrics(tmp_path):
     """The seeded eager run logs, at every step, the metrics recorded in tests/golden."""
     golden = json.loads(GOLDEN.read_text())
-    _, rows = run_recipe(tmp_path / "run", "num_steps=4", "compile=False")
+    _, rows = run_recipe(tmp_path / "run", "num_ppo_steps=4", "compile=False")
     assert len(rows) == len(golden["steps"]) == 4
     for step, (row, expected) in enumerate(zip(rows, golden["steps"]), 1):
         for key, value in expected.items():
@@ -103,7 +103,7 @@ def test_user_copy_of_recipe_runs_from_its_own_folder(tmp_path):
     user_dir = tmp_path / "myproject"
     user_dir.mkdir()
     (user_dir / "my_ppo.py").write_text((ROOT / "recipes/ppo_full_finetune.py").read_text())
-    _, rows = run_recipe(tmp_path / "run", "num_steps=1", "compile=False", cwd=user_dir, recipe="my_ppo.py")
+    _, rows = run_recipe(tmp_path / "run", "num_ppo_steps=1", "compile=False", cwd=user_dir, recipe="my_ppo.py")
     assert len(rows) == 1 and math.isfinite(rows[0]["loss"])
 
 
@@ -111,8 +111,8 @@ def test_user_copy_of_recipe_runs_from_its_own_folder(tmp_path):
 @pytest.fixture(scope="module")
 def eager_and_compiled_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("compile")
-    _, eager = run_recipe(base / "eager", "num_steps=4", "compile=False")
-    _, compiled = run_recipe(base / "compiled", "num_steps=4", "compile=True")
+    _, eager = run_recipe(base / "eager", "num_ppo_steps=4", "compile=False")
+    _, compiled = run_recipe(base / "compiled", "num_ppo_steps=4", "compile=True")
     return eager, compiled
 
 
@@ -141,7 +141,7 @@ def test_no_recompiles_after_first_step(eager_and_compiled_runs):
 def test_each_compile_switch_alone(tmp_path, switch, eager_and_compiled_runs):
     eager, _ = eager_and_compiled_runs
     others = [f"compile.{s}=False" for s in ("generate", "trajectory", "loss_step") if s != switch]
-    _, rows = run_recipe(tmp_path / switch, "num_steps=2", f"compile.{switch}=True", *others)
+    _, rows = run_recipe(tmp_path / switch, "num_ppo_steps=2", f"compile.{switch}=True", *others)
     assert len(rows) == 2 and rows[1]["recompiles"] == 0
     for step in range(2):
         # step 1's loss comes from the loss step; step 2's scores come from weights it updated

@@ -49,12 +49,15 @@ REQUIRED_KEYS = (
     "batch_size",
     "forward_batch_size",
     "ppo_batch_size",
-    "num_steps",
-    "max_prompt_len",
     "max_generated_tokens",
     "stop_token_ids",
 )
 OPTIONAL_KEYS = {
+    # PPO steps to run. A config written for torchtune's recipe gives `num_steps` instead,
+    # which counts prompts there (num_steps // batch_size PPO steps); exactly one is required.
+    "num_ppo_steps": None,
+    # null: the longest prompt of the dataset (read once before any model loads).
+    "max_prompt_len": None,
     "device": "cpu",
     "dtype": "fp32",
     "seed": None,
@@ -83,14 +86,34 @@ OPTIONAL_KEYS = {
     # An update whose loss or gradients are not finite is skipped; this many skipped in a row
     # means the run has diverged, so it stops instead of burning the rest of its steps.
     "max_consecutive_skipped_steps": 3,
+    # null: none; N: also save after every N passes over the dataset (torchtune's key).
+    "save_every_n_epochs": None,
     "metric_logger": None,
     "log_every_n_steps": 1,
     "log_peak_memory_stats": False,
     "resume_from_checkpoint": False,
+    # Whiten the per-token rewards before GAE (torchtune's key; its default is off).
+    "whiten_rewards": False,
+    # One optimizer per parameter, stepped during backward: no full set of gradients is ever
+    # held (how torchtune fits 7B on one GPU). Needs gradient_accumulation_steps=1.
+    "optimizer_in_bwd": False,
+    # torchtune's learning-rate schedulers, e.g. torchtune.training.lr_schedulers.
+    # get_cosine_schedule_with_warmup with num_warmup_steps; the recipe passes the optimizer
+    # and num_training_steps (optimizer steps of the whole run). null: constant lr.
+    "lr_scheduler": None,
+    # torchtune's profiler block (torchtune.training.setup_torch_profiler); null: off.
+    "profiler": None,
 }
-VALID_KEYS = tuple(REQUIRED_KEYS) + tuple(OPTIONAL_KEYS)
+# Keys of torchtune 0.6.1's PPO recipe config that mean nothing here, with the note printed
+# once when a config gives them.
+NOTED_KEYS = {
+    "enable_kv_cache": "generation always uses a static KV cache here; enable_kv_cache is ignored.",
+}
+VALID_KEYS = tuple(REQUIRED_KEYS) + tuple(OPTIONAL_KEYS) + ("num_steps",)
 LONG_PROMPTS = ("truncate", "error")
 BOOL_KEYS = (
+    "whiten_rewards",
+    "optimizer_in_bwd",
     "shuffle",
     "penalise_no_eos",
     "enable_activation_checkpointing",
@@ -355,6 +378,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     missing = [k for k in REQUIRED_KEYS if k not in cfg]
     if missing:
         raise ValueError(f"config is missing required key(s) {missing}.")
+    cfg = _map_torchtune_keys(cfg)
     unknown = sorted(set(cfg.keys()) - set(VALID_KEYS))
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown}; valid keys are {sorted(VALID_KEYS)}.")
@@ -366,15 +390,27 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         "ppo_batch_size",
         "ppo_epochs",
         "gradient_accumulation_steps",
-        "num_steps",
-        "max_prompt_len",
+        "num_ppo_steps",
         "max_generated_tokens",
         "log_every_n_steps",
         "max_consecutive_skipped_steps",
     ):
         _positive_int(cfg, key)
-    for key in ("save_every_n_steps", "keep_last_n_checkpoints", "min_response_length"):
+    for key in ("save_every_n_steps", "save_every_n_epochs", "keep_last_n_checkpoints",
+                "min_response_length", "max_prompt_len"):
         _positive_int(cfg, key, allow_none=True)
+    if cfg.optimizer_in_bwd and cfg.gradient_accumulation_steps != 1:
+        raise ValueError(
+            f"optimizer_in_bwd=True steps each parameter during backward, so gradients cannot "
+            f"accumulate: set gradient_accumulation_steps=1 (got "
+            f"{cfg.gradient_accumulation_steps}) or optimizer_in_bwd=False."
+        )
+    if cfg.optimizer_in_bwd and cfg.clip_grad_norm is not None:
+        raise ValueError(
+            f"optimizer_in_bwd=True steps each parameter before the global gradient norm is "
+            f"known, so clip_grad_norm={cfg.clip_grad_norm} cannot apply: set clip_grad_norm=null "
+            "or optimizer_in_bwd=False."
+        )
     if cfg.seed is not None and not _is_int(cfg.seed):
         raise ValueError(f"seed must be null or an integer, got {_show(cfg.seed)}.")
     for key in BOOL_KEYS:
@@ -445,15 +481,8 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                 )
 
     models = {key: _meta_model(cfg[key]) for key in ("policy_model", "reward_and_value_model")}
-    total = cfg.max_prompt_len + cfg.max_generated_tokens
-    for key, model in models.items():
-        max_seq_len = getattr(model, "max_seq_len", None)
-        if max_seq_len is not None and total > max_seq_len:
-            raise ValueError(
-                f"max_prompt_len + max_generated_tokens ({cfg.max_prompt_len} + "
-                f"{cfg.max_generated_tokens} = {total}) exceeds {key}'s max_seq_len "
-                f"({max_seq_len}); lower one of them."
-            )
+    if cfg.max_prompt_len is not None:
+        check_sequence_length(cfg, cfg.max_prompt_len, models)
     vocab = _vocab_size(models["policy_model"])
     if vocab is not None:
         bad = [t for t in stop if t >= vocab]
@@ -471,6 +500,85 @@ def validate_config(cfg: DictConfig) -> DictConfig:
                 "policy writes, so they must share its tokenizer."
             )
     return cfg
+
+
+def check_sequence_length(
+    cfg: DictConfig, prompt_len: int, models: Optional[Mapping[str, torch.nn.Module]] = None
+) -> None:
+    """``prompt_len + max_generated_tokens`` must fit every model's ``max_seq_len``.
+
+    Args:
+        cfg (DictConfig): the recipe config.
+        prompt_len (int): ``P``, from ``max_prompt_len`` or, when that is null, the longest prompt.
+        models (Optional[Mapping[str, torch.nn.Module]]): meta-device builds by config key;
+            built here when None.
+
+    Raises:
+        ValueError: naming the model, both lengths and its ``max_seq_len``.
+    """
+    if models is None:
+        models = {key: _meta_model(cfg[key]) for key in ("policy_model", "reward_and_value_model")}
+    total = prompt_len + cfg.max_generated_tokens
+    for key, model in models.items():
+        max_seq_len = getattr(model, "max_seq_len", None)
+        if max_seq_len is not None and total > max_seq_len:
+            given = "max_prompt_len" if cfg.max_prompt_len is not None else "the longest prompt"
+            raise ValueError(
+                f"{given} + max_generated_tokens ({prompt_len} + {cfg.max_generated_tokens} = "
+                f"{total}) exceeds {key}'s max_seq_len ({max_seq_len}); lower one of them "
+                "(max_prompt_len with long_prompts=truncate keeps each prompt's last tokens)."
+            )
+
+
+def _map_torchtune_keys(cfg: DictConfig) -> DictConfig:
+    """A copy with torchtune 0.6.1 PPO config keys mapped onto ours, each mapping noted once."""
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    for key, note in NOTED_KEYS.items():
+        if key in cfg:
+            _note(f"{key}: {note}")
+            del cfg[key]
+    if "num_steps" in cfg and cfg.get("num_ppo_steps") is not None:
+        raise ValueError(
+            f"num_steps ({_show(cfg.num_steps)}) and num_ppo_steps ({_show(cfg.num_ppo_steps)}) "
+            "are both set; give one: num_ppo_steps counts PPO steps, num_steps counts prompts "
+            "as in torchtune's recipe (num_steps // batch_size PPO steps)."
+        )
+    if "num_steps" in cfg:
+        num_steps, batch_size = cfg.num_steps, cfg.batch_size
+        if not (_is_int(num_steps) and _is_int(batch_size) and batch_size >= 1):
+            raise ValueError(
+                f"num_steps must be an integer count of prompts (as in torchtune's recipe), got "
+                f"{_show(num_steps)} with batch_size {_show(batch_size)}."
+            )
+        if num_steps < batch_size:
+            raise ValueError(
+                f"num_steps counts prompts, as in torchtune's recipe: num_steps={num_steps} is "
+                f"fewer than batch_size={batch_size}, so no PPO step would run. Raise num_steps, "
+                "or give num_ppo_steps (PPO steps) instead."
+            )
+        dropped = f"; the last {num_steps % batch_size} prompts are not used" if num_steps % batch_size else ""
+        _note(f"num_steps={num_steps} counts prompts, as in torchtune's recipe: "
+              f"{num_steps // batch_size} PPO steps of batch_size={batch_size}{dropped}.")
+        cfg.num_ppo_steps = num_steps // batch_size
+        del cfg["num_steps"]
+    elif cfg.get("num_ppo_steps") is None:
+        raise ValueError(
+            "config is missing num_ppo_steps (PPO steps to run), or num_steps (prompts, as in "
+            "torchtune's recipe)."
+        )
+    return cfg
+
+
+_NOTED: set = set()
+
+
+def _note(message: str) -> None:
+    """Logs a note about how a key is read, once per process."""
+    if message not in _NOTED:
+        _NOTED.add(message)
+        from torchtune import utils
+
+        utils.get_logger("INFO").info(f"Note: {message}")
 
 
 def _validate_loss(loss: Any) -> DictConfig:
@@ -711,7 +819,7 @@ def validate_dataset(dataset: Any, cfg: DictConfig) -> int:
             tokens, a sample cannot be read (e.g. a missing column), or, under
             ``long_prompts: error``, any prompt is too long.
     """
-    limit = cfg.max_prompt_len
+    limit = cfg.max_prompt_len if cfg.max_prompt_len is not None else math.inf
     size = len(dataset)
     if size < cfg.batch_size:
         raise ValueError(

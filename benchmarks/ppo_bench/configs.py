@@ -24,7 +24,7 @@ def ours_config(args: argparse.Namespace, output_dir: Path) -> Dict[str, Any]:
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(args.set)))
     sizes = {
         "output_dir": str(output_dir),
-        "num_steps": args.warmup + args.steps,
+        "num_ppo_steps": args.warmup + args.steps,
         "batch_size": args.batch_size,
         "forward_batch_size": args.forward_batch_size,
         "ppo_batch_size": args.ppo_batch_size,
