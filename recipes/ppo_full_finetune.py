@@ -41,6 +41,7 @@ from torchtune_ppo.generation import Generator
 from torchtune_ppo.guards import SkippedSteps
 from torchtune_ppo.interrupt import stop_on_signals
 from torchtune_ppo.loss_step import ppo_loss_step
+from torchtune_ppo.memory import memory_plan
 from torchtune_ppo.metrics import PhaseTimer, step_metrics
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.trajectory import ModelReward, Trajectory
@@ -100,6 +101,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._stop_token_ids = torch.tensor(list(cfg.stop_token_ids), device=self._device)
         # Every prompt is read and checked before any weights load.
         self._sampler, self._dataloader = self._setup_data(cfg)
+        self._check_memory(cfg)
         reward_model = self._setup_models(cfg, resume_from)
         self._optimizer = config.instantiate(
             cfg.optimizer,
@@ -207,6 +209,17 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             model.eval()
             model.requires_grad_(False)
         return model
+
+    def _check_memory(self, cfg: DictConfig) -> None:
+        plan = memory_plan(cfg, prompt_len=self._prompt_len)
+        log.info(plan.table())
+        if not plan.fits:
+            raise RuntimeError(
+                f"the memory plan above needs {plan.total / 2**30:.1f} GiB but {plan.device} has "
+                f"{plan.available / 2**30:.1f} GiB free: lower forward_batch_size or ppo_batch_size "
+                "(with gradient_accumulation_steps), or set enable_activation_checkpointing=True, "
+                "optimizer_in_bwd=True or dtype=bf16."
+            )
 
     def _setup_lr_scheduler(self, cfg_scheduler: Optional[DictConfig]):
         if cfg_scheduler is None:

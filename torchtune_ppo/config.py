@@ -359,7 +359,7 @@ def with_defaults(cfg: DictConfig) -> DictConfig:
     return OmegaConf.merge(OmegaConf.create(defaults), cfg)
 
 
-def validate_config(cfg: DictConfig) -> DictConfig:
+def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfig:
     """Check a recipe config and return it with defaults filled in.
 
     Every check runs before any weights are read: the models are built on the meta device to
@@ -367,6 +367,8 @@ def validate_config(cfg: DictConfig) -> DictConfig:
 
     Args:
         cfg (DictConfig): the recipe config as parsed from YAML and the command line.
+        check_machine (bool): also check that the checkpoint files exist and the device is
+            available here; off to plan a run for another machine (``torchtune_ppo.memory``).
 
     Returns:
         DictConfig: a copy with every optional key set (``OPTIONAL_KEYS``).
@@ -459,7 +461,8 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     if cfg.dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype must be 'fp32' or 'bf16', got {_show(cfg.dtype)}.")
     parse_compile(cfg.compile)
-    check_device(cfg.device)
+    if check_machine:
+        check_device(cfg.device)
 
     stop = cfg.stop_token_ids
     if (
@@ -472,7 +475,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             "responses are truncated at the first stop token."
         )
 
-    for key in CHECKPOINTERS:
+    for key in CHECKPOINTERS if check_machine else ():
         for path in _checkpoint_files(cfg[key], key):
             if not path.is_file():
                 raise FileNotFoundError(

@@ -1,0 +1,52 @@
+"""The memory plan: exact sizes for parameters, gradients, optimizer state and KV cache."""
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+import torchtune_ppo  # noqa: F401  registers the config resolvers
+from torchtune_ppo import memory
+from torchtune_ppo.config import validate_config
+from torchtune_ppo.tasks.tiny_sentiment import tiny_policy, tiny_reward
+
+CONFIG = Path(__file__).parents[1] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
+
+
+def _cfg(*overrides):
+    return validate_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(list(overrides))))
+
+
+def test_plan_of_the_tiny_config_is_exact_where_it_can_be():
+    plan = memory.memory_plan(_cfg())
+    n_policy = sum(p.numel() for p in tiny_policy().parameters())
+    n_value = sum(p.numel() for p in tiny_reward().parameters())
+    rows = list(plan.rows.values())
+    assert rows[0] == 2 * n_policy * 4 and rows[1] == 2 * n_value * 4  # fp32, two copies each
+    assert rows[2] == (n_policy + n_value) * 4 and rows[3] == 2 * (n_policy + n_value) * 4
+    attn = tiny_policy().layers[0].attn
+    layers = len(tiny_policy().layers)
+    assert rows[4] == 2 * 16 * 36 * attn.num_kv_heads * attn.head_dim * 4 * layers  # K and V
+    assert plan.total == sum(rows)
+
+
+def test_optimizer_in_bwd_holds_one_gradient_and_bf16_halves():
+    base, bwd = memory.memory_plan(_cfg()), memory.memory_plan(
+        _cfg("optimizer_in_bwd=True", "clip_grad_norm=null", "gradient_accumulation_steps=1")
+    )
+    assert list(bwd.rows.values())[2] < list(base.rows.values())[2] / 10
+    half = memory.memory_plan(_cfg("dtype=bf16"))
+    assert list(half.rows.values())[0] == list(base.rows.values())[0] / 2
+
+
+def test_a_plan_that_cannot_fit_is_refused(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1024.0)
+    plan = memory.memory_plan(_cfg())
+    assert not plan.fits and "available" in plan.table()
+
+
+def test_planning_a_gpu_config_on_this_machine(capsys):
+    # device=cuda and missing checkpoint files are fine when only planning
+    assert memory.main(["--config", str(CONFIG), "device=cuda", "checkpointer.checkpoint_dir=/nonexistent"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "Memory plan on cuda" in out and "KV cache (16 rows x 36 tokens)" in out

@@ -1,0 +1,145 @@
+"""A memory plan of a PPO run, from the models built on the meta device (no weights read).
+
+The recipe prints it at start-up and refuses a plan that cannot fit the device; run it alone
+to size a config on a machine without the accelerator:
+
+    python -m torchtune_ppo.memory --config recipes/configs/llama3_2/1B_ppo.yaml [key=value ...]
+
+The figures are estimates: parameters, gradients, optimizer state and the KV cache are exact
+sizes; activations are a per-layer rule of thumb (stated in :func:`memory_plan`), and the
+allocator's fragmentation and the compile workspace come on top.
+"""
+
+import argparse
+import sys
+from typing import Dict, List, NamedTuple, Optional, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torchtune import config as tt_config
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+# torch.optim.AdamW keeps two states per parameter in the parameter's dtype; SGD with momentum
+# one; an 8-bit optimizer about half a byte each. Unknown optimizers are counted like AdamW.
+_OPTIMIZER_STATES = {"AdamW": 2.0, "Adam": 2.0, "SGD": 1.0, "AdamW8bit": 0.5, "PagedAdamW8bit": 0.5}
+_GIB = 2**30
+
+
+class MemoryPlan(NamedTuple):
+    """Bytes per item (``rows``) and their total; ``available`` is the device's, when known."""
+
+    rows: Dict[str, float]
+    total: float
+    available: Optional[float]
+    device: str
+
+    def table(self) -> str:
+        lines = [f"Memory plan on {self.device} (estimate):"]
+        lines += [f"  {name:<44} {value / _GIB:8.2f} GiB" for name, value in self.rows.items()]
+        lines.append(f"  {'total':<44} {self.total / _GIB:8.2f} GiB")
+        if self.available is not None:
+            lines.append(f"  {'available':<44} {self.available / _GIB:8.2f} GiB")
+        return "\n".join(lines)
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.total <= self.available
+
+
+def _meta(cfg_model: DictConfig) -> torch.nn.Module:
+    with torch.device("meta"):
+        return tt_config.instantiate(cfg_model)
+
+
+def _numel(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _kv_bytes(model: torch.nn.Module, rows: int, seq_len: int, dtype_bytes: int) -> float:
+    """K and V of every attention layer for ``rows`` sequences of ``seq_len`` tokens."""
+    total = 0
+    for module in model.modules():
+        if hasattr(module, "num_kv_heads") and hasattr(module, "head_dim"):
+            total += 2 * rows * seq_len * module.num_kv_heads * module.head_dim * dtype_bytes
+    return float(total)
+
+
+def available_bytes(device: str) -> Optional[float]:
+    """Free memory of ``device``: CUDA's free memory, or the host's available RAM for the CPU."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return float(free)
+    if device == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                info = dict(line.split(":", 1) for line in f)
+            return float(info["MemAvailable"].strip().split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            return None
+    return None
+
+
+def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None) -> MemoryPlan:
+    """Estimates the memory of a run of ``cfg`` (a validated recipe config).
+
+    Args:
+        cfg (DictConfig): the recipe config, as returned by ``validate_config``.
+        prompt_len (Optional[int]): ``P`` when ``max_prompt_len`` is null (the longest prompt).
+
+    Returns:
+        MemoryPlan: the rows below, their total and the device's free memory.
+
+    Rows: the four models' parameters; gradients of the policy and value model (one
+    parameter's at a time with ``optimizer_in_bwd``); optimizer state; the KV cache of
+    ``forward_batch_size`` rows of ``P + T``; activations of one training micro-batch, taken as
+    ``16 * D`` bytes per token per layer (or ``2 * D`` with activation checkpointing) plus
+    float32 logits ``[micro_batch, P + T, V]``.
+    """
+    dtype_bytes = _DTYPE_BYTES[cfg.dtype]
+    policy, value = _meta(cfg.policy_model), _meta(cfg.reward_and_value_model)
+    n_policy, n_value = _numel(policy), _numel(value)
+    trained = n_policy + n_value
+    seq_len = (prompt_len or cfg.max_prompt_len or 0) + cfg.max_generated_tokens
+    optimizer_name = str(cfg.optimizer.get("_component_", "")).rsplit(".", 1)[-1]
+    states = _OPTIMIZER_STATES.get(optimizer_name, 2.0)
+    biggest = max(p.numel() for p in [*policy.parameters(), *value.parameters()])
+    micro = cfg.ppo_batch_size // cfg.gradient_accumulation_steps
+    embed_dim = policy.tok_embeddings.embedding_dim
+    vocab = policy.tok_embeddings.num_embeddings
+    per_token_layer = (2 if cfg.enable_activation_checkpointing else 16) * embed_dim
+    layers = len(policy.layers) + len(value.layers)
+    rows = {
+        f"policy + reference parameters ({n_policy / 1e9:.2f}B each)": 2 * n_policy * dtype_bytes,
+        f"value + reward parameters ({n_value / 1e9:.2f}B each)": 2 * n_value * dtype_bytes,
+        "gradients (policy + value)": (biggest if cfg.optimizer_in_bwd else trained) * dtype_bytes,
+        f"optimizer state ({optimizer_name or 'AdamW'}, {states:g} per parameter)":
+            trained * states * dtype_bytes,
+        f"KV cache ({cfg.forward_batch_size} rows x {seq_len} tokens)":
+            _kv_bytes(policy, cfg.forward_batch_size, seq_len, dtype_bytes),
+        f"activations (micro-batch {micro} x {seq_len} tokens)":
+            micro * seq_len * layers * per_token_layer * dtype_bytes + micro * seq_len * vocab * 4,
+    }
+    device = str(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return MemoryPlan(rows, float(sum(rows.values())), available_bytes(device), device)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("overrides", nargs="*", help="key=value, as on the tune command line")
+    args = parser.parse_args(argv)
+    import torchtune_ppo  # noqa: F401  registers the config resolvers
+    from torchtune_ppo.config import validate_config
+
+    cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(list(args.overrides)))
+    # Checkpoint files need not exist to plan; only the model builders are read.
+    cfg = validate_config(cfg, check_machine=False)
+    plan = memory_plan(cfg, prompt_len=cfg.max_prompt_len or 256)
+    print(plan.table())
+    if cfg.max_prompt_len is None:
+        print("  (max_prompt_len is null: P = 256 assumed; the run uses its longest prompt)")
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
