@@ -1,0 +1,55 @@
+"""Reward and value models for Llama-3.x, Qwen2.5 and Mistral, and their HF checkpoints.
+
+- Classifier builders (one output per token, untied head), named like torchtune's:
+  ``llama3_2_1b_classifier``, ``llama3_2_3b_classifier``, ``llama3_1_8b_classifier``,
+  ``qwen2_5_{0_5b,1_5b,3b,7b}_classifier``; component builders taking dims:
+  ``llama3_2_classifier``, ``llama3_1_classifier``, ``qwen2_classifier``. Mistral's are
+  torchtune's own (``torchtune.models.mistral.mistral_classifier``).
+- :class:`ClassifierHFCheckpointer`: HF ``*ForSequenceClassification`` checkpoints of any of
+  these families, loaded and saved with ``score.weight``; it can also start a value model
+  from a policy checkpoint (``value_head_init``), as :func:`value_head_from_policy` does for a
+  state dict.
+
+Policies need nothing new: torchtune's builders (``torchtune.models.llama3_2.llama3_2_1b``,
+``torchtune.models.qwen2_5.qwen2_5_0_5b``, ``torchtune.models.mistral.mistral_7b``) with
+``torchtune.training.FullModelHFCheckpointer`` and ``model_type`` ``LLAMA3_2``, ``QWEN2``,
+``MISTRAL``.
+"""
+
+from torchtune_ppo.models._checkpointer import (
+    CLASSIFIER_MODEL_TYPES,
+    ClassifierHFCheckpointer,
+    VALUE_HEAD_INITS,
+    value_head_from_policy,
+)
+from torchtune_ppo.models._component_builders import (
+    llama3_1_classifier,
+    llama3_2_classifier,
+    qwen2_classifier,
+)
+from torchtune_ppo.models._model_builders import (
+    llama3_1_8b_classifier,
+    llama3_2_1b_classifier,
+    llama3_2_3b_classifier,
+    qwen2_5_0_5b_classifier,
+    qwen2_5_1_5b_classifier,
+    qwen2_5_3b_classifier,
+    qwen2_5_7b_classifier,
+)
+
+__all__ = [
+    "CLASSIFIER_MODEL_TYPES",
+    "ClassifierHFCheckpointer",
+    "VALUE_HEAD_INITS",
+    "llama3_1_8b_classifier",
+    "llama3_1_classifier",
+    "llama3_2_1b_classifier",
+    "llama3_2_3b_classifier",
+    "llama3_2_classifier",
+    "qwen2_5_0_5b_classifier",
+    "qwen2_5_1_5b_classifier",
+    "qwen2_5_3b_classifier",
+    "qwen2_5_7b_classifier",
+    "qwen2_classifier",
+    "value_head_from_policy",
+]
