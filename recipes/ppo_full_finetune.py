@@ -25,7 +25,7 @@ from torchtune import config, modules, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from torchtune_ppo import checkpointing, rlhf
+from torchtune_ppo import checkpointing, packing, rlhf
 from torchtune_ppo._compile import RecompileCounter, maybe_compile
 from torchtune_ppo.config import (
     check_cli_overrides,
@@ -40,7 +40,8 @@ from torchtune_ppo.data import left_pad_prompts
 from torchtune_ppo.generation import Generator
 from torchtune_ppo.guards import SkippedSteps
 from torchtune_ppo.interrupt import stop_on_signals
-from torchtune_ppo.loss_step import ppo_loss_step
+# The recipe's loss step is the packed one; setup() compiles it under this name.
+from torchtune_ppo.loss_step import packed_ppo_loss_step as ppo_loss_step
 from torchtune_ppo.memory import memory_plan
 from torchtune_ppo.metrics import PhaseTimer, step_metrics
 from torchtune_ppo.rollout import Rollout
@@ -213,13 +214,16 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     def _check_memory(self, cfg: DictConfig) -> None:
         plan = memory_plan(cfg, prompt_len=self._prompt_len)
         log.info(plan.table())
-        if not plan.fits:
+        advice = ("lower forward_batch_size or ppo_batch_size (with gradient_accumulation_steps), "
+                  "or set enable_activation_checkpointing=True, optimizer_in_bwd=True or dtype=bf16")
+        if not plan.fits:  # parameters, gradients, optimizer state and KV cache alone
             raise RuntimeError(
-                f"the memory plan above needs {plan.total / 2**30:.1f} GiB but {plan.device} has "
-                f"{plan.available / 2**30:.1f} GiB free: lower forward_batch_size or ppo_batch_size "
-                "(with gradient_accumulation_steps), or set enable_activation_checkpointing=True, "
-                "optimizer_in_bwd=True or dtype=bf16."
+                f"the memory plan above needs {plan.exact / 2**30:.1f} GiB before activations but "
+                f"{plan.device} has {plan.available / 2**30:.1f} GiB free: {advice}."
             )
+        if not plan.fits_estimate:
+            log.warning(f"the activation estimate brings the plan above the free memory; {advice} "
+                        "if the run runs out of memory.")
 
     def _setup_lr_scheduler(self, cfg_scheduler: Optional[DictConfig]):
         if cfg_scheduler is None:
@@ -264,19 +268,24 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     ) -> List[rlhf.PPOStats]:
         """``ppo_epochs`` passes over shuffled minibatches, accumulating gradients per minibatch.
 
-        Returns the stats of every micro-batch whose minibatch update was applied; an update
-        with a non-finite loss or gradient norm is skipped (see :meth:`_optimizer_step`).
+        A minibatch's loss is the sum of its ``gradient_accumulation_steps`` micro-batches'
+        masked means; the loss step runs on their real tokens only, packed into fixed-shape
+        micro-steps. Returns the stats of every micro-batch whose minibatch update was applied;
+        an update with a non-finite loss or gradient norm is skipped (see :meth:`_optimizer_step`).
         """
         stats = []
         micro_batch_size = self._ppo_batch_size // self._grad_accum
+        lengths = packing.sequence_lengths(trajectory, self._prompt_len)  # one host sync
         for _ in range(self._ppo_epochs):
-            order = torch.randperm(self._batch_size, device=self._device)
-            for minibatch in order.split(self._ppo_batch_size):
+            order = torch.randperm(self._batch_size, device=self._device).tolist()
+            for start in range(0, self._batch_size, self._ppo_batch_size):
+                minibatch = order[start : start + self._ppo_batch_size]
+                micro_batches = [minibatch[i : i + micro_batch_size]
+                                 for i in range(0, len(minibatch), micro_batch_size)]
                 with timer("loss_step"):
-                    minibatch_stats = [
-                        self._loss_and_backward(trajectory, advantages, returns, idxs)
-                        for idxs in minibatch.split(micro_batch_size)
-                    ]
+                    minibatch_stats = self._loss_and_backward(
+                        trajectory, advantages, returns, micro_batches, lengths
+                    )
                 with timer("optimizer"):
                     if self._optimizer_step(minibatch_stats):
                         stats.extend(minibatch_stats)
@@ -301,29 +310,37 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         return all(finite)
 
     def _loss_and_backward(
-        self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor, idxs: torch.Tensor
-    ) -> rlhf.PPOStats:
-        batch = Trajectory(*(t[idxs] for t in trajectory))
-        loss, stats = self._ppo_loss_step(
-            self._policy_model,
-            self._value_model,
-            batch.query_responses,
-            batch.masks,
-            batch.position_ids,
-            batch.response_padding_masks,
-            batch.logprobs,
-            batch.values,
-            advantages[idxs],
-            returns[idxs],
-            prompt_len=self._prompt_len,
-            temperature=self._temperature,
-            epsilon=self._epsilon,
-            value_clip_range=self._value_clip_range,
-            value_coeff=self._value_coeff,
-            loss_scale=1.0 / self._grad_accum,
+        self,
+        trajectory: Trajectory,
+        advantages: torch.Tensor,
+        returns: torch.Tensor,
+        micro_batches: List[List[int]],
+        lengths: packing.SequenceLengths,
+    ) -> List[rlhf.PPOStats]:
+        """Loss and gradients of one minibatch (trajectory rows in micro-batches), packed.
+
+        Returns one :class:`~torchtune_ppo.rlhf.PPOStats` per micro-batch, scaled by
+        ``1 / gradient_accumulation_steps``.
+        """
+        steps = packing.pack_minibatch(
+            trajectory, advantages, returns, micro_batches, lengths,
+            prompt_len=self._prompt_len, rows=packing.default_rows(len(micro_batches[0])),
         )
-        loss.backward()
-        return stats
+        step_stats = []
+        for step in steps:  # same shapes every time: one compiled graph
+            loss, stats = self._ppo_loss_step(
+                self._policy_model,
+                self._value_model,
+                *step,
+                temperature=self._temperature,
+                epsilon=self._epsilon,
+                value_clip_range=self._value_clip_range,
+                value_coeff=self._value_coeff,
+                num_micro_batches=len(micro_batches),
+            )
+            loss.backward()
+            step_stats.append(stats)
+        return packing.micro_batch_stats(step_stats)
 
     def train_step(
         self, prompts: torch.Tensor, prompt_lens: torch.Tensor, num_truncated: int

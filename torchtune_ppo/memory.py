@@ -21,15 +21,24 @@ from torchtune import config as tt_config
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # torch.optim.AdamW keeps two states per parameter in the parameter's dtype; SGD with momentum
 # one; an 8-bit optimizer about half a byte each. Unknown optimizers are counted like AdamW.
-_OPTIMIZER_STATES = {"AdamW": 2.0, "Adam": 2.0, "SGD": 1.0, "AdamW8bit": 0.5, "PagedAdamW8bit": 0.5}
+_OPTIMIZER_STATES = {"AdamW": 2.0, "Adam": 2.0, "SGD": 1.0, "AdamW8bit": 0.5, "PagedAdamW8bit": 0.5,
+                     "PagedAdamW": 2.0}
+# Paged optimizers (bitsandbytes) keep their state in pageable host memory and move pages to
+# the GPU on demand, so their state is not counted against the device.
+_PAGED_PREFIX = "Paged"
 _GIB = 2**30
 
 
 class MemoryPlan(NamedTuple):
-    """Bytes per item (``rows``) and their total; ``available`` is the device's, when known."""
+    """Bytes per item (``rows``) and their total; ``available`` is the device's, when known.
+
+    ``exact`` is the part of ``total`` that is known exactly (everything but activations):
+    a plan whose exact part does not fit cannot run; one whose estimate does not fit may.
+    """
 
     rows: Dict[str, float]
     total: float
+    exact: float
     available: Optional[float]
     device: str
 
@@ -43,6 +52,11 @@ class MemoryPlan(NamedTuple):
 
     @property
     def fits(self) -> bool:
+        """Whether the exactly known part fits (activations are an estimate)."""
+        return self.available is None or self.exact <= self.available
+
+    @property
+    def fits_estimate(self) -> bool:
         return self.available is None or self.total <= self.available
 
 
@@ -108,19 +122,23 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None) -> MemoryPlan
     vocab = policy.tok_embeddings.num_embeddings
     per_token_layer = (2 if cfg.enable_activation_checkpointing else 16) * embed_dim
     layers = len(policy.layers) + len(value.layers)
+    paged = optimizer_name.startswith(_PAGED_PREFIX)
     rows = {
         f"policy + reference parameters ({n_policy / 1e9:.2f}B each)": 2 * n_policy * dtype_bytes,
         f"value + reward parameters ({n_value / 1e9:.2f}B each)": 2 * n_value * dtype_bytes,
         "gradients (policy + value)": (biggest if cfg.optimizer_in_bwd else trained) * dtype_bytes,
-        f"optimizer state ({optimizer_name or 'AdamW'}, {states:g} per parameter)":
-            trained * states * dtype_bytes,
+        f"optimizer state ({optimizer_name or 'AdamW'}, {states:g} per parameter"
+        f"{'; paged to host memory, not counted' if paged else ''})":
+            0.0 if paged else trained * states * dtype_bytes,
         f"KV cache ({cfg.forward_batch_size} rows x {seq_len} tokens)":
             _kv_bytes(policy, cfg.forward_batch_size, seq_len, dtype_bytes),
         f"activations (micro-batch {micro} x {seq_len} tokens)":
             micro * seq_len * layers * per_token_layer * dtype_bytes + micro * seq_len * vocab * 4,
     }
     device = str(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return MemoryPlan(rows, float(sum(rows.values())), available_bytes(device), device)
+    activations = next(v for k, v in rows.items() if k.startswith("activations"))
+    total = float(sum(rows.values()))
+    return MemoryPlan(rows, total, total - activations, available_bytes(device), device)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -136,6 +154,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = validate_config(cfg, check_machine=False)
     plan = memory_plan(cfg, prompt_len=cfg.max_prompt_len or 256)
     print(plan.table())
+    if not plan.fits_estimate:
+        print("  (the estimate is above what is available; the exact part "
+              f"{'fits' if plan.fits else 'does NOT fit'})")
     if cfg.max_prompt_len is None:
         print("  (max_prompt_len is null: P = 256 assumed; the run uses its longest prompt)")
     return 0 if plan.fits else 1
