@@ -468,9 +468,6 @@ def test_nonfinite_score_loss_and_gradient_skip_only_their_update(tmp_path, prom
     assert [logged[s]["skipped_steps"] for s in range(1, 7)] == [0, 1, 1, 2, 2, 3]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "train_step replaces non-finite scores by 0 before step_metrics, so the logged `scores` "
-    "averages the bad rows in as 0 instead of over the finite rows (metrics.py)"))
 def test_logged_score_of_a_step_with_a_nan_row_is_the_mean_of_its_finite_rows(tmp_path, prompts):
     recipe = _build(tmp_path / "run", prompts, "num_ppo_steps=1")
     rollout, scores = recipe._rollout, []
