@@ -45,6 +45,7 @@ from torchtune_ppo.loss_step import packed_ppo_loss_step as ppo_loss_step
 from torchtune_ppo.memory import memory_plan
 from torchtune_ppo.metrics import PhaseTimer, step_metrics
 from torchtune_ppo.rollout import Rollout
+from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.trajectory import ModelReward, Trajectory
 
 log = utils.get_logger("INFO")
@@ -118,8 +119,9 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         if resume_from:
             self._load_training_state(resume_from)
 
-    def _setup_models(self, cfg: DictConfig, resume_from: Optional[str]) -> torch.nn.Module:
-        """Policy, reference, value model (from ``resume_from`` when resuming); returns the reward model."""
+    def _setup_models(self, cfg: DictConfig, resume_from: Optional[str]) -> Optional[torch.nn.Module]:
+        """Policy, reference, value model (from ``resume_from`` when resuming); returns the
+        reward model, or None for a function reward."""
         weights = checkpointing.checkpointer_overrides(resume_from) if resume_from else {}
         self._policy_model = self._setup_model(
             cfg.policy_model, "checkpointer", weights.get("policy", {}), trainable=True, cfg=cfg
@@ -131,7 +133,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             cfg.reward_and_value_model, "value_checkpointer", weights.get("value", {}),
             trainable=True, cfg=cfg,
         )
-        reward_model = self._setup_model(
+        reward_model = None if cfg.reward is not None else self._setup_model(
             cfg.reward_and_value_model, "reward_checkpointer", {}, trainable=False, cfg=cfg
         )
         self._checkpoints = checkpointing.CheckpointManager(
@@ -140,7 +142,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         )
         return reward_model
 
-    def _setup_rollout(self, cfg: DictConfig, reward_model: torch.nn.Module) -> Rollout:
+    def _setup_rollout(self, cfg: DictConfig, reward_model: Optional[torch.nn.Module]) -> Rollout:
         generator = Generator(
             self._policy_model,
             batch_size=self._forward_batch_size,
@@ -163,7 +165,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             generator,
             self._ref_policy_model,
             self._value_model,
-            ModelReward(reward_model),
+            ModelReward(reward_model) if reward_model is not None
+            else FunctionReward(config.instantiate(cfg.reward), self._tokenizer),
             self._stop_token_ids,
             pad_id=self._pad_id,
             penalise_no_eos=cfg.penalise_no_eos,
@@ -343,21 +346,22 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         return packing.micro_batch_stats(step_stats)
 
     def train_step(
-        self, prompts: torch.Tensor, prompt_lens: torch.Tensor, num_truncated: int
+        self, prompts: torch.Tensor, prompt_lens: torch.Tensor, num_truncated: int,
+        references: Optional[List[Optional[str]]] = None,
     ) -> Dict[str, float]:
         """One PPO step on ``prompts [B, P]`` of real lengths ``prompt_lens [B]``; returns its metrics.
 
-        ``num_truncated``, the prompts the collator cut to ``max_prompt_len``, is only logged.
+        ``num_truncated``, the prompts the collator cut to ``max_prompt_len``, is only logged;
+        ``references`` (the dataset's answers, one per row) go to a function reward.
         A batch with a non-finite score gets no update at all.
         """
         timer = PhaseTimer(self._device)
         with timer("step"):
-            trajectory = self._rollout(prompts, prompt_lens, self._rng, timer)
+            trajectory = self._rollout(prompts, prompt_lens, self._rng, timer, references)
             bad_rows = int((~trajectory.scores.isfinite()).sum())
             if bad_rows:
                 log.warning(f"step {self.steps_run + 1}: the reward is not finite in {bad_rows} of "
                             f"{len(trajectory.scores)} rows; the update is skipped.")
-                trajectory = trajectory._replace(scores=trajectory.scores.nan_to_num(0.0, 0.0, 0.0))
             advantages, returns, kl, kl_rewards = self.estimate_advantages(trajectory, timer)
             stats = [] if bad_rows else self.ppo_update(trajectory, advantages, returns, timer)
         metrics = step_metrics(trajectory, stats, kl, kl_rewards, timer.times,
@@ -429,6 +433,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                 batch["tokens"].to(self._device),
                 batch["prompt_lens"].to(self._device),
                 int(batch["num_truncated"]),
+                batch.get("references"),
             )
             self.steps_run += 1
             self._batches_run_in_epoch += 1

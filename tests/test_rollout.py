@@ -62,3 +62,50 @@ def test_compiled_rollout_equals_eager():
             else:
                 assert torch.equal(a, b), name
     assert gen.model.layers[0].attn.kv_cache is None  # caches detached again
+
+
+class _FixedScores:
+    """A reward function returning given numbers, one per row, whatever the texts."""
+
+    def __init__(self, values):
+        self.values, self.calls = values, []
+
+    def __call__(self, prompts, responses, *, references, prompt_tokens, response_tokens):
+        self.calls.append((list(references), [len(t) for t in response_tokens]))
+        return self.values[: len(prompts)]
+
+
+class _Decoder:
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+@torch.no_grad()
+def test_function_reward_drives_the_trajectory_as_a_reward_model_would():
+    from torchtune_ppo import rlhf
+    from torchtune_ppo.rewards import FunctionReward
+    from torchtune_ppo.rollout import Rollout
+
+    gen, ref, value, _ = _setup(top_k=1)
+    values = [0.5, -1.25, 2.0]
+    fixed = torch.tensor(values)
+    kw = dict(pad_id=PAD_ID, penalise_no_eos=True, min_response_length=2, reward_penalty=-3.0,
+              compile_trajectory=False, fused=False)
+    timer = lambda phase: __import__("contextlib").nullcontext()  # noqa: E731
+    lens = torch.tensor([6, 2, 4])
+    prompts = left_padded_prompts(lens.tolist(), P, seed=5)
+    fn = _FixedScores(values)
+    by_function = Rollout(gen, ref, value, FunctionReward(fn, _Decoder()), STOP, **kw)(
+        prompts, lens, None, timer, references=["a", None, "c"])
+    by_model = Rollout(gen, ref, value, lambda qr, masks, pos, last: fixed.clone(), STOP, **kw)(
+        prompts, lens, None, timer)
+    for name, a, b in zip(by_model._fields, by_model, by_function):
+        assert torch.equal(a, b), name
+    assert fn.calls[0][0] == ["a", None, "c"]  # the references reach the function, row by row
+    # the response tokens it saw stop before the stop token: valid tokens minus the stop
+    valid = ~by_model.response_padding_masks
+    has_stop = (torch.isin(by_model.query_responses[:, P:], STOP) & valid).any(-1)
+    assert fn.calls[0][1] == (by_model.seq_lens - has_stop.long()).tolist()
+    # penalties apply after the function, as after a reward model
+    penalised = ~has_stop | (by_model.seq_lens < 2)
+    assert torch.equal(by_function.scores, torch.where(penalised, torch.tensor(-3.0), fixed))

@@ -44,7 +44,7 @@ REQUIRED_KEYS = (
     "dataset",
     "policy_model",
     "reward_and_value_model",
-    *CHECKPOINTERS,
+    *CHECKPOINTERS[:3],  # reward_checkpointer: unless `reward` is a function
     "optimizer",
     "batch_size",
     "forward_batch_size",
@@ -103,6 +103,10 @@ OPTIONAL_KEYS = {
     "lr_scheduler": None,
     # torchtune's profiler block (torchtune.training.setup_torch_profiler); null: off.
     "profiler": None,
+    # null: the reward model of reward_checkpointer. A mapping with `_component_`: a reward
+    # function of the decoded texts (torchtune_ppo.rewards), instead of a reward model.
+    "reward": None,
+    "reward_checkpointer": None,
 }
 # Keys of torchtune 0.6.1's PPO recipe config that mean nothing here, with the note printed
 # once when a config gives them.
@@ -475,7 +479,8 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
             "responses are truncated at the first stop token."
         )
 
-    for key in CHECKPOINTERS if check_machine else ():
+    _check_reward(cfg)
+    for key in [k for k in CHECKPOINTERS if cfg[k] is not None] if check_machine else ():
         for path in _checkpoint_files(cfg[key], key):
             if not path.is_file():
                 raise FileNotFoundError(
@@ -503,6 +508,34 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
                 "policy writes, so they must share its tokenizer."
             )
     return cfg
+
+
+def _check_reward(cfg: DictConfig) -> None:
+    """Exactly one reward source: ``reward_checkpointer`` (a model) or ``reward`` (a function)."""
+    if cfg.reward is None and cfg.reward_checkpointer is None:
+        raise ValueError(
+            "config has no reward: give reward_checkpointer (a reward model, built with "
+            "reward_and_value_model) or reward: {_component_: ...} (a function of the texts, "
+            "e.g. torchtune_ppo.rewards.exact_match)."
+        )
+    if cfg.reward is not None and cfg.reward_checkpointer is not None:
+        raise ValueError(
+            "config gives both reward (a function) and reward_checkpointer (a reward model); "
+            "keep one. With a function reward, reward_and_value_model builds the value model only."
+        )
+    if cfg.reward is not None:
+        if not isinstance(cfg.reward, DictConfig) or "_component_" not in cfg.reward:
+            raise ValueError(
+                f"reward must be a mapping with a _component_ (a factory returning the reward "
+                f"function, e.g. torchtune_ppo.rewards.exact_match), got {_show(cfg.reward)}."
+            )
+        _import_component(cfg.reward._component_, "reward._component_")
+        if parse_compile(cfg.compile).rollout:
+            raise ValueError(
+                "compile.rollout traces the reward model into one region with generation; a "
+                "function reward runs eagerly: set compile.rollout=False (compile.generate and "
+                "compile.trajectory still compile everything else)."
+            )
 
 
 def check_sequence_length(

@@ -24,7 +24,8 @@ def left_pad_prompts(
         Dict[str, torch.Tensor]: ``"tokens"`` int64 ``[b, P]``; ``"prompt_lens"`` int64 ``[b]``,
         the real tokens of each row (padding is told by length, never by token value: the
         pad id can be a real token); ``"num_truncated"``, the number of prompts that were
-        cut, as a 0-dim tensor.
+        cut, as a 0-dim tensor; and ``"references"``, a list of each sample's ``"reference"``
+        (None where it has none), when any sample has one.
 
     Raises:
         ValueError: a prompt is longer than ``max_prompt_len`` and ``long_prompts="error"``.
@@ -45,4 +46,7 @@ def left_pad_prompts(
         if ids:
             tokens[i, max_prompt_len - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         prompt_lens[i] = len(ids)
-    return {"tokens": tokens, "prompt_lens": prompt_lens, "num_truncated": torch.tensor(num_truncated)}
+    out = {"tokens": tokens, "prompt_lens": prompt_lens, "num_truncated": torch.tensor(num_truncated)}
+    if any("reference" in sample for sample in batch):  # for a function reward
+        out["references"] = [sample.get("reference") for sample in batch]
+    return out

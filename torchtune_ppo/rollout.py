@@ -3,19 +3,22 @@
 :class:`Rollout` is what the recipe calls; it picks one of two implementations:
 
 - split (default): :meth:`Generator.generate` (compiled prefill + decode step, early stop),
-  then :func:`score_trajectory` (one compiled region when ``compile.trajectory`` is on);
+  then, for a function reward, the function on the decoded texts (eager, phase "reward"), then
+  :func:`score_trajectory` (one compiled region when ``compile.trajectory`` is on);
 - fused (``compile.rollout``): :func:`fused_rollout`, the generation unrolled into
   straight-line code by :func:`generate_unrolled` and the scoring, as one compiled region
   (the RFC's option 2). No early stop: every row runs all ``T`` steps.
 """
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from torchtune_ppo import rlhf
 from torchtune_ppo._compile import maybe_compile
 from torchtune_ppo.generation import Generator, generate_next_token, prefill
+from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.trajectory import RewardFn, Trajectory, score_trajectory
 
 
@@ -92,7 +95,8 @@ class Rollout:
         generator (Generator): the policy's generator.
         ref_policy_model (nn.Module): frozen reference policy.
         value_model (nn.Module): value model returning ``[b, S, 1]``.
-        reward_fn (RewardFn): the reward source.
+        reward_fn (Union[RewardFn, FunctionReward]): a reward model in the graph (e.g.
+            :class:`~torchtune_ppo.trajectory.ModelReward`), or a function of the decoded texts.
         stop_token_ids (torch.Tensor): ``[n_stop]`` on the models' device.
         pad_id (int): written after each row's first stop token.
         penalise_no_eos (bool): see :func:`score_trajectory`.
@@ -107,7 +111,7 @@ class Rollout:
         generator: Generator,
         ref_policy_model: nn.Module,
         value_model: nn.Module,
-        reward_fn: RewardFn,
+        reward_fn: Union[RewardFn, FunctionReward],
         stop_token_ids: torch.Tensor,
         *,
         pad_id: int,
@@ -117,6 +121,10 @@ class Rollout:
         compile_trajectory: bool,
         fused: bool,
     ) -> None:
+        if fused and isinstance(reward_fn, FunctionReward):
+            raise ValueError("compile.rollout traces the reward into one region with generation; "
+                             "a function reward runs eagerly, so use compile.generate and "
+                             "compile.trajectory instead.")
         self.generator = generator
         self.ref_policy_model, self.value_model = ref_policy_model, value_model
         self.reward_fn, self.stop_token_ids = reward_fn, stop_token_ids
@@ -132,11 +140,13 @@ class Rollout:
         prompt_lens: torch.Tensor,
         rng: Optional[torch.Generator],
         timer: Callable,
+        references: Optional[Sequence[Optional[str]]] = None,
     ) -> Trajectory:
         """Generates and scores ``prompts [b, P]`` of real lengths ``prompt_lens [b]``.
 
-        ``timer(phase)`` is a context manager timing each phase ("generate", "score"); the
-        fused implementation times all of it as "generate".
+        ``timer(phase)`` is a context manager timing each phase ("generate", "reward" for a
+        function reward, "score"); the fused implementation times all of it as "generate".
+        ``references`` (one per row, or None) go to a function reward.
         """
         n = self.generator.batch_size
         chunks = list(zip(prompts.split(n), prompt_lens.split(n)))
@@ -146,13 +156,34 @@ class Rollout:
         else:
             with timer("generate"):
                 outputs = [self.generator.generate(p, lens, rng=rng) for p, lens in chunks]
+            scores = [None] * len(outputs)
+            if isinstance(self.reward_fn, FunctionReward):
+                with timer("reward"):
+                    scores = self._function_scores(outputs, prompt_lens, references)
             with timer("score"), torch.no_grad():
-                trajectories = [self._score_chunk(out.query_responses, lens, out.logprobs)
-                                for out, (_, lens) in zip(outputs, chunks)]
+                trajectories = [self._score_chunk(out.query_responses, lens, out.logprobs, chunk_scores)
+                                for out, (_, lens), chunk_scores in zip(outputs, chunks, scores)]
         return Trajectory(*map(torch.cat, zip(*trajectories)))
 
+    def _function_scores(self, outputs, prompt_lens: torch.Tensor,
+                         references: Optional[Sequence[Optional[str]]]) -> List[torch.Tensor]:
+        """Scores ``[b]`` per chunk from the function reward, on the generated (truncated) texts."""
+        n, P = self.generator.batch_size, self.generator.max_prompt_len
+        references = [None] * len(prompt_lens) if references is None else list(references)
+        scores = []
+        for i, out in enumerate(outputs):
+            padding, _ = rlhf.truncate_after_stop_token(
+                out.query_responses[:, P:], self.stop_token_ids, self.pad_id
+            )
+            scores.append(self.reward_fn.score_batch(
+                out.query_responses, prompt_lens[i * n : (i + 1) * n], (~padding).sum(-1),
+                references[i * n : (i + 1) * n], prompt_len=P, stop_token_ids=self.stop_token_ids,
+            ))
+        return scores
+
     def _score_chunk(self, query_responses: torch.Tensor, prompt_lens: torch.Tensor,
-                     logprobs: torch.Tensor) -> Trajectory:
+                     logprobs: torch.Tensor, scores: Optional[torch.Tensor]) -> Trajectory:
+        in_graph = not isinstance(self.reward_fn, FunctionReward)
         return self._score(
             query_responses,
             prompt_lens.to(query_responses.device),
@@ -160,7 +191,7 @@ class Rollout:
             None,
             self.ref_policy_model,
             self.value_model,
-            self.reward_fn,
+            self.reward_fn if in_graph else None,
             self.stop_token_ids,
             prompt_len=self.generator.max_prompt_len,
             pad_id=self.pad_id,
@@ -168,6 +199,7 @@ class Rollout:
             penalise_no_eos=self.penalise_no_eos,
             min_response_length=self.min_response_length,
             reward_penalty=self.reward_penalty,
+            scores=scores,
         )
 
     def _fused_chunk(self, prompts: torch.Tensor, prompt_lens: torch.Tensor,

@@ -89,7 +89,7 @@ def score_trajectory(
     policy_model: Optional[nn.Module],
     ref_policy_model: nn.Module,
     value_model: nn.Module,
-    reward_fn: RewardFn,
+    reward_fn: Optional[RewardFn],
     stop_token_ids: torch.Tensor,
     *,
     prompt_len: int,
@@ -98,6 +98,7 @@ def score_trajectory(
     penalise_no_eos: bool,
     min_response_length: Optional[int],
     reward_penalty: float,
+    scores: Optional[torch.Tensor] = None,
 ) -> Trajectory:
     """Steps 2-6 of the PPO trajectory: logprobs, values, truncation, scores, masks.
 
@@ -109,7 +110,8 @@ def score_trajectory(
         policy_model (Optional[nn.Module]): the policy, used only when ``logprobs`` is None.
         ref_policy_model (nn.Module): frozen reference policy.
         value_model (nn.Module): value model returning ``[b, S, 1]``.
-        reward_fn (RewardFn): the reward source, e.g. :class:`ModelReward`.
+        reward_fn (Optional[RewardFn]): the reward source in the graph, e.g. :class:`ModelReward`;
+            None when ``scores`` come from outside (a function reward, run eagerly before).
         stop_token_ids (torch.Tensor): ``[n_stop]``.
         prompt_len (int): ``P``.
         pad_id (int): padding id.
@@ -117,6 +119,8 @@ def score_trajectory(
         penalise_no_eos (bool): replace the score of rows without a stop token by ``reward_penalty``.
         min_response_length (Optional[int]): same for rows with fewer valid tokens.
         reward_penalty (float): the replacement score.
+        scores (Optional[torch.Tensor]): ``[b]`` scores of the truncated responses, used when
+            ``reward_fn`` is None; the penalties still apply.
 
     Returns:
         Trajectory: the scored batch.
@@ -145,7 +149,8 @@ def score_trajectory(
     )
 
     # step 5: score the truncated pairs at each row's last valid token, then penalties
-    scores = reward_fn(query_responses, masks, position_ids, prompt_len + seq_lens - 1)
+    if reward_fn is not None:
+        scores = reward_fn(query_responses, masks, position_ids, prompt_len + seq_lens - 1)
     penalty = rlhf.get_reward_penalty_mask(
         response_padding_masks,
         seq_lens,
