@@ -47,6 +47,7 @@ from torchtune_ppo.metrics import PhaseTimer, step_metrics
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.trajectory import ModelReward, Trajectory
+from torchtune_ppo.watch import log_samples, run_summary, sample_rows
 
 log = utils.get_logger("INFO")
 
@@ -83,6 +84,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._save_every_n_steps = cfg.save_every_n_steps
         self._save_every_n_epochs = cfg.save_every_n_epochs
         self._log_every_n_steps = cfg.log_every_n_steps
+        self._log_samples_every_n_steps = cfg.log_samples_every_n_steps
+        self._score_history: List[Dict[str, float]] = []  # for the end-of-run summary
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type == "cuda"
         self._recompiles = RecompileCounter()
         self.steps_run = 0
@@ -364,6 +367,9 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                             f"{len(trajectory.scores)} rows; the update is skipped.")
             advantages, returns, kl, kl_rewards = self.estimate_advantages(trajectory, timer)
             stats = [] if bad_rows else self.ppo_update(trajectory, advantages, returns, timer)
+        if self._log_samples_every_n_steps and (self.steps_run + 1) % self._log_samples_every_n_steps == 0:
+            rows = sample_rows(trajectory, prompt_lens, self._tokenizer, self._prompt_len, n=4)
+            log_samples(rows, self.steps_run + 1, f"{self._output_dir}/logs", log)
         metrics = step_metrics(trajectory, stats, kl, kl_rewards, timer.times,
                                grad_accum=self._grad_accum, ppo_epochs=self._ppo_epochs)
         updates = self._ppo_epochs * (self._batch_size // self._ppo_batch_size)
@@ -415,6 +421,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         pbar.close()
         if self._last_saved_step != self.steps_run:
             self.save_checkpoint(self.steps_run)
+        log.info(run_summary(self._score_history, checkpointing.existing_checkpoints(self._output_dir)))
         if stop:
             log.warning(f"Stopped after step {self.steps_run}. To continue: tune run "
                         f"{' '.join(sys.argv)} output_dir={self._output_dir} resume_from_checkpoint=True")
@@ -440,6 +447,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             if not self._recompiles.marked:
                 self._recompiles.mark()  # everything after the first step must reuse its graphs
             self._log(metrics, pbar)
+            self._score_history.append({"scores": metrics["scores"]})
             self._profiler.step()
             if on_step is not None:
                 on_step(self.steps_run, metrics)

@@ -161,11 +161,23 @@ def test_arithmetic_task_trains_with_a_function_reward(tmp_path):
 
     out = tmp_path / "run"
     cmd = [*TUNE, "run", "ppo_full_finetune", "--config", str(ARITHMETIC), f"output_dir={out}",
-           "num_ppo_steps=3", "batch_size=16", "forward_batch_size=8", "ppo_batch_size=8"]
+           "num_ppo_steps=3", "batch_size=16", "forward_batch_size=8", "ppo_batch_size=8",
+           "log_samples_every_n_steps=2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_disk_log(out / "logs")
     assert len(rows) == 3
+    # samples of step 2 only: printed and kept, 4 rows, each with its text and score
+    samples = [json.loads(line) for line in (out / "logs/samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [2] * 4
+    assert all(s["prompt"].endswith("=") and s["score"] in (0.0, 1.0, -1.0) for s in samples)
+    assert f"step 2 | score {samples[0]['score']:+.3f} | {samples[0]['prompt']!r}" in proc.stderr
+    assert "Run done: 3 steps logged" in proc.stderr and "checkpoints/step_3" in proc.stderr
+    # the plot command turns the run's logs into one PNG
+    png = tmp_path / "run.png"
+    subprocess.run([sys.executable, "-m", "torchtune_ppo.watch", str(out), "--out", str(png)],
+                   check=True, capture_output=True, timeout=300)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     for row in rows:
         assert -1.0 <= row["scores"] <= 1.0  # exact match 0 or 1, reward_penalty -1
         assert math.isfinite(row["loss"]) and row["time/reward"] > 0

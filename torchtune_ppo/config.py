@@ -90,6 +90,9 @@ OPTIONAL_KEYS = {
     "save_every_n_epochs": None,
     "metric_logger": None,
     "log_every_n_steps": 1,
+    # null: never; N: print a few (prompt, response, score) rows every N steps and append them
+    # to <output_dir>/logs/samples.jsonl (and to wandb as a table when a wandb run is active).
+    "log_samples_every_n_steps": None,
     "log_peak_memory_stats": False,
     "resume_from_checkpoint": False,
     # Whiten the per-token rewards before GAE (torchtune's key; its default is off).
@@ -403,7 +406,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     ):
         _positive_int(cfg, key)
     for key in ("save_every_n_steps", "save_every_n_epochs", "keep_last_n_checkpoints",
-                "min_response_length", "max_prompt_len"):
+                "min_response_length", "max_prompt_len", "log_samples_every_n_steps"):
         _positive_int(cfg, key, allow_none=True)
     if cfg.optimizer_in_bwd and cfg.gradient_accumulation_steps != 1:
         raise ValueError(
