@@ -8,6 +8,9 @@ the plain model, where ``mask=None`` still means causal), and :meth:`StaticKVCac
 applies, then undoes, every change: caches attached, the decode attention swapped in, plain
 ``[B, s, V]`` logits, eval mode. A torchtune upgrade that moves these attributes breaks here
 and nowhere else.
+
+:func:`final_hidden_states` is the other reach into ``TransformerDecoder``: its ``forward``
+up to the final norm, for the loss step, which projects only the positions it reads.
 """
 
 import contextlib
@@ -50,6 +53,32 @@ def decode_attention(
     weights = torch.softmax(scores, dim=-1)
     out = (weights[..., None] * v.float()).sum(-2)  # [B, H, D]
     return out[:, :, None].to(q.dtype)
+
+
+def final_hidden_states(
+    model: TransformerDecoder,
+    tokens: torch.Tensor,
+    *,
+    mask: torch.Tensor,
+    input_pos: torch.Tensor,
+) -> torch.Tensor:
+    """``model``'s hidden states after its final norm, just before the output projection.
+
+    Mirrors ``TransformerDecoder.forward`` of torchtune 0.6.1 (embeddings, layers, norm), which
+    has no switch to skip the output layer: the caller applies ``model.output`` only where it
+    reads a logprob or a value. Decoder-only models without KV caches; layers wrapped for
+    activation checkpointing are called the same way.
+    tokens: [b, s], mask: bool [b, s, s], input_pos: [b, s] -> [b, s, D].
+    """
+    if tokens.shape[1] > model.max_seq_len:
+        raise ValueError(
+            f"sequence length {tokens.shape[1]} is longer than the model's max_seq_len "
+            f"({model.max_seq_len})"
+        )
+    h = model.tok_embeddings(tokens)
+    for layer in model.layers:
+        h = layer(h, mask=mask, input_pos=input_pos)
+    return model.norm(h)
 
 
 class StaticKVCache:

@@ -1,8 +1,11 @@
 """The PPO loss step: policy and value forward on a minibatch, then the clipped losses.
 
-:func:`ppo_loss_step` is compiled as one region when ``compile.loss_step`` is on; the caller
-runs ``loss.backward()`` on its output, which AOTAutograd compiles as well. It is always called
-with grad enabled, in train mode, on ``[ppo_backward_batch_size, P + T]`` tensors.
+:func:`packed_ppo_loss_step`, the recipe's, runs on packed micro-steps (real tokens only, see
+:mod:`torchtune_ppo.packing`) and projects to the vocabulary only where it reads a logprob.
+:func:`ppo_loss_step` is its padded twin on ``[b, P + T]`` trajectory rows, the reference the
+packed step is tested against. Either is compiled as one region when ``compile.loss_step`` is
+on; the caller runs ``loss.backward()`` on its output, which AOTAutograd compiles as well. It is
+always called with grad enabled, in train mode, with the same shapes.
 """
 
 from typing import Tuple
@@ -11,6 +14,8 @@ import torch
 from torch import nn
 
 from torchtune_ppo import rlhf
+from torchtune_ppo._torchtune_patches import final_hidden_states
+from torchtune_ppo.packing import block_causal_masks
 
 
 def ppo_loss_step(
@@ -87,3 +92,82 @@ def ppo_loss_step(
         approx_policy_kls * loss_scale,
     )
     return loss * loss_scale, stats
+
+
+def packed_ppo_loss_step(
+    policy_model: nn.Module,
+    value_model: nn.Module,
+    tokens: torch.Tensor,
+    segment_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    read_positions: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    old_values: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    micro_batch_ids: torch.Tensor,
+    *,
+    temperature: float,
+    epsilon: float,
+    value_clip_range: float,
+    value_coeff: float,
+    num_micro_batches: int,
+    chunk_size: int = 256,
+) -> Tuple[torch.Tensor, rlhf.PPOStats]:
+    """Forward both trained models on one packed micro-step; return its weighted PPO loss and stats.
+
+    The tensor arguments are the fields of :class:`~torchtune_ppo.packing.PackedMicroStep`:
+    ``R`` rows of ``L`` packed tokens and ``N`` reads. The output projections run only on the
+    ``N`` read positions, the policy's in chunks of ``chunk_size`` (no ``[R, L, V]`` logits).
+
+    Args:
+        policy_model (nn.Module): the trained policy.
+        value_model (nn.Module): the trained value model (a ``[D, 1]`` output layer).
+        tokens (torch.Tensor): ``[R, L]``.
+        segment_ids (torch.Tensor): ``[R, L]``, one id per packed sequence.
+        position_ids (torch.Tensor): ``[R, L]``.
+        read_positions (torch.Tensor): flat slot indices into ``R * L`` ``[N]``.
+        old_logprobs (torch.Tensor): logprobs at trajectory time ``[N]``.
+        old_values (torch.Tensor): values at trajectory time ``[N]``.
+        advantages (torch.Tensor): ``[N]``.
+        returns (torch.Tensor): ``[N]``.
+        targets (torch.Tensor): the response tokens read ``[N]``.
+        weights (torch.Tensor): ``1 / (grad_accum * valid tokens of the micro-batch)`` ``[N]``,
+            0 at unused reads.
+        micro_batch_ids (torch.Tensor): ``[N]`` in ``[0, num_micro_batches)``.
+        temperature (float): sampling temperature of the trajectory.
+        epsilon (float): policy ratio clip range.
+        value_clip_range (float): value clip range.
+        value_coeff (float): weight of the value loss.
+        num_micro_batches (int): ``grad_accum``, the micro-batches the stats are summed into.
+        chunk_size (int): positions per output projection of the policy.
+
+    Returns:
+        Tuple[torch.Tensor, PPOStats]: the loss to call ``backward`` on, and detached stats, each
+        ``[num_micro_batches]``: this micro-step's share of every micro-batch's scaled stat.
+    """
+    masks = block_causal_masks(segment_ids)  # [R, L, L]
+    h = final_hidden_states(policy_model, tokens, mask=masks, input_pos=position_ids)
+    h = h.flatten(0, 1).index_select(0, read_positions)  # [N, D]
+    pi_logprobs = rlhf.chunked_logprobs(policy_model.output, h, targets, temperature, chunk_size)
+    h = final_hidden_states(value_model, tokens, mask=masks, input_pos=position_ids)
+    h = h.flatten(0, 1).index_select(0, read_positions)  # [N, D]
+    phi_values = value_model.output(h)[:, 0].float()  # [N]
+
+    policy_losses, value_losses, ratios, clipped = rlhf.ppo_token_losses(
+        old_logprobs, pi_logprobs, advantages, old_values, phi_values, returns,
+        epsilon=epsilon, value_clip_range=value_clip_range,
+    )
+    token_losses = policy_losses + value_coeff * 0.5 * value_losses
+    loss = (token_losses * weights).sum()
+
+    approx_kls = 0.5 * (pi_logprobs.detach() - old_logprobs).pow(2)
+    per_token = torch.stack(
+        [token_losses, policy_losses, 0.5 * value_losses, ratios, clipped, approx_kls]
+    ).detach() * weights  # [6, N]
+    per_micro_batch = per_token.new_zeros(6, num_micro_batches).index_add(
+        1, micro_batch_ids, per_token
+    )  # [6, G]
+    return loss, rlhf.PPOStats(*per_micro_batch)

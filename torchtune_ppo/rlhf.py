@@ -4,7 +4,7 @@ All functions are pure, keep shapes static (no boolean indexing), and compile wi
 breaks. Masks are True where a token is valid.
 """
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -38,6 +38,38 @@ def response_logprobs(
     """
     logits = logits[:, prompt_len - 1 : -1].float() / temperature
     return torch.gather(torch.log_softmax(logits, dim=-1), 2, responses.unsqueeze(-1)).squeeze(-1)
+
+
+def chunked_logprobs(
+    output: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_size: int = 256,
+) -> torch.Tensor:
+    """Logprobs of ``targets [N]`` from final hidden states ``hidden [N, D]``, chunk by chunk.
+
+    The output projection runs only on the ``N`` positions whose logprob is read, at most
+    ``chunk_size`` of them at a time, so no ``[rows, S, V]`` logits exist; the largest
+    float32 tensor is ``[chunk_size, V]``.
+
+    Args:
+        output (Callable): the model's output projection, ``model.output`` (an ``nn.Linear``
+            or a ``TiedLinear`` sharing the embedding weight).
+        hidden (torch.Tensor): hidden states after the final norm ``[N, D]``.
+        targets (torch.Tensor): the token each position predicts ``[N]``.
+        temperature (float): logits are divided by it before the softmax.
+        chunk_size (int): positions per projection.
+
+    Returns:
+        torch.Tensor: float32 ``[N]``.
+    """
+    logprobs = []
+    for start in range(0, hidden.shape[0], chunk_size):
+        logits = output(hidden[start : start + chunk_size]).float() / temperature  # [c, V]
+        target = targets[start : start + chunk_size, None]
+        logprobs.append(torch.gather(torch.log_softmax(logits, dim=-1), 1, target).squeeze(1))
+    return torch.cat(logprobs)
 
 
 def response_values(values: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -185,6 +217,49 @@ def estimate_advantages(
     return whiten(advantages, masks), returns
 
 
+def ppo_token_losses(
+    pi_old_logprobs: torch.Tensor,
+    pi_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    phi_old_values: torch.Tensor,
+    phi_values: torch.Tensor,
+    returns: torch.Tensor,
+    epsilon: float,
+    value_clip_range: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped PPO policy and value losses, before any averaging.
+
+    Every argument has one shape, ``[b, response_len]`` or the ``[N]`` of packed reads.
+
+    Args:
+        pi_old_logprobs (torch.Tensor): logprobs at trajectory time.
+        pi_logprobs (torch.Tensor): logprobs of the current policy.
+        advantages (torch.Tensor): advantages.
+        phi_old_values (torch.Tensor): values at trajectory time.
+        phi_values (torch.Tensor): values of the current value model.
+        returns (torch.Tensor): returns.
+        epsilon (float): policy ratio clip range.
+        value_clip_range (float): value clip range around the old values.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ``policy_losses``,
+        ``value_losses`` (without the 0.5), ``ratios`` and ``clipped`` (1.0 where the clipped
+        policy loss is the larger), each with the shape of the inputs.
+    """
+    ratios = torch.exp(pi_logprobs - pi_old_logprobs)
+    clipped_ratios = torch.clamp(ratios, 1.0 - epsilon, 1.0 + epsilon)
+    policy_losses_clipped = -advantages * clipped_ratios
+    policy_losses_unclipped = -advantages * ratios
+    clipped = (policy_losses_clipped > policy_losses_unclipped).to(ratios.dtype)
+    policy_losses = torch.maximum(policy_losses_clipped, policy_losses_unclipped)
+
+    values_clipped = torch.clamp(
+        phi_values, phi_old_values - value_clip_range, phi_old_values + value_clip_range
+    )
+    value_losses = torch.maximum((phi_values - returns) ** 2, (values_clipped - returns) ** 2)
+    return policy_losses, value_losses, ratios, clipped
+
+
 def ppo_loss(
     pi_old_logprobs: torch.Tensor,
     pi_logprobs: torch.Tensor,
@@ -215,17 +290,12 @@ def ppo_loss(
         Tuple of 0-dim tensors: ``loss`` (with grad), then detached ``policy_loss``,
         ``value_loss``, mean ``ratios`` and ``clipfrac``, all averaged over valid tokens.
     """
-    ratios = torch.exp(pi_logprobs - pi_old_logprobs)
-    clipped_ratios = torch.clamp(ratios, 1.0 - epsilon, 1.0 + epsilon)
-    policy_losses_clipped = -advantages * clipped_ratios
-    policy_losses_unclipped = -advantages * ratios
-    clipfrac = masked_mean((policy_losses_clipped > policy_losses_unclipped).to(ratios.dtype), masks)
-    policy_loss = masked_mean(torch.maximum(policy_losses_clipped, policy_losses_unclipped), masks)
-
-    values_clipped = torch.clamp(
-        phi_values, phi_old_values - value_clip_range, phi_old_values + value_clip_range
+    policy_losses, value_losses, ratios, clipped = ppo_token_losses(
+        pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns,
+        epsilon=epsilon, value_clip_range=value_clip_range,
     )
-    value_losses = torch.maximum((phi_values - returns) ** 2, (values_clipped - returns) ** 2)
+    clipfrac = masked_mean(clipped, masks)
+    policy_loss = masked_mean(policy_losses, masks)
     value_loss = 0.5 * masked_mean(value_losses, masks)
 
     loss = policy_loss + value_coeff * value_loss

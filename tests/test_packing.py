@@ -1,0 +1,236 @@
+"""The packed loss step against the padded one: same loss, stats and gradients, fixed shapes.
+
+The compiled tests share one compiled artefact (one graph, compiled once per module) and call
+it with the same model objects, as the recipe does.
+"""
+
+import copy
+
+import pytest
+import torch
+from torchtune import training
+from torchtune.models.llama3_2._component_builders import llama3_2
+from torchtune.modules import TransformerSelfAttentionLayer
+
+from conftest import EOS_ID, PAD_ID, VOCAB, left_padded_prompts, tiny_classifier, tiny_policy
+from torchtune_ppo import packing, rlhf
+from torchtune_ppo._compile import RecompileCounter, compile_count, maybe_compile
+from torchtune_ppo._torchtune_patches import final_hidden_states
+from torchtune_ppo.loss_step import packed_ppo_loss_step, ppo_loss_step
+from torchtune_ppo.trajectory import masks_and_positions, score_trajectory
+
+P, T = 6, 7
+HP = dict(temperature=0.7, epsilon=0.2, value_clip_range=0.2, value_coeff=0.1)
+CHUNK = 8  # several chunks per micro-step, the last one partial
+
+
+def _trajectory(policy, value, prompt_lens, stops, seed=0):
+    """A scored batch: ``stops[i]`` is the index of row i's stop token (None: never stops)."""
+    b = len(prompt_lens)
+    g = torch.Generator().manual_seed(seed)
+    prompts = left_padded_prompts(prompt_lens, P, seed=seed)
+    responses = torch.randint(3, VOCAB, (b, T), generator=g)
+    for i, stop in enumerate(stops):
+        if stop is not None:
+            responses[i, stop] = EOS_ID
+    with torch.no_grad():
+        traj = score_trajectory(
+            torch.cat([prompts, responses], 1), torch.tensor(prompt_lens), None, policy,
+            policy, value, lambda *args: torch.zeros(b), torch.tensor([EOS_ID]),
+            prompt_len=P, pad_id=PAD_ID, temperature=HP["temperature"], penalise_no_eos=True,
+            min_response_length=None, reward_penalty=-3.0,
+        )
+    valid = ~traj.response_padding_masks
+    # old logprobs and values away from the current ones, so ratios and value clipping engage
+    traj = traj._replace(
+        logprobs=(traj.logprobs + 0.3 * torch.randn(b, T, generator=g)) * valid,
+        values=(traj.values + 0.5 * torch.randn(b, T, generator=g)) * valid,
+    )
+    advantages = torch.randn(b, T, generator=g) * valid
+    returns = torch.randn(b, T, generator=g) * valid
+    return traj, advantages, returns
+
+
+RAGGED = dict(  # a 1-token prompt, a 1-token response, one response without a stop token
+    prompt_lens=[6, 1, 3, 4, 2, 5, 1, 6],
+    stops=[0, None, 3, 6, 2, 1, 5, 4],
+)
+OTHER_MIX = dict(  # same shapes, other lengths: more sequences per row
+    prompt_lens=[1, 2, 1, 3, 2, 1, 4, 1],
+    stops=[1, 0, 2, 0, 1, 3, 0, 2],
+)
+
+
+def _zero_grads(*models):
+    for m in models:
+        m.zero_grad(set_to_none=True)
+
+
+def _grads(*models):
+    return {f"{i}.{n}": p.grad.clone() for i, m in enumerate(models) for n, p in m.named_parameters()}
+
+
+def _padded(policy, value, traj, advantages, returns, micro_batches):
+    """Today's path: one padded micro-batch each, scaled by 1/grad_accum."""
+    _zero_grads(policy, value)
+    stats, total = [], 0.0
+    for idxs in micro_batches:
+        idxs = torch.tensor(idxs)
+        loss, s = ppo_loss_step(
+            policy, value, traj.query_responses[idxs], traj.masks[idxs], traj.position_ids[idxs],
+            traj.response_padding_masks[idxs], traj.logprobs[idxs], traj.values[idxs],
+            advantages[idxs], returns[idxs], prompt_len=P, loss_scale=1.0 / len(micro_batches), **HP,
+        )
+        loss.backward()
+        stats.append(s)
+        total = total + loss.detach()
+    return total, stats, _grads(policy, value)
+
+
+def _packed(step_fn, policy, value, traj, advantages, returns, micro_batches, rows):
+    _zero_grads(policy, value)
+    lengths = packing.sequence_lengths(traj, P)
+    steps = packing.pack_minibatch(
+        traj, advantages, returns, micro_batches, lengths, prompt_len=P, rows=rows
+    )
+    step_stats, total = [], 0.0
+    for step in steps:
+        loss, s = step_fn(policy, value, *step, num_micro_batches=len(micro_batches),
+                          chunk_size=CHUNK, **HP)
+        loss.backward()
+        step_stats.append(s)
+        total = total + loss.detach()
+    return total, packing.micro_batch_stats(step_stats), _grads(policy, value), steps
+
+
+def _assert_same(packed, padded, atol=1e-5):
+    (loss_k, stats_k, grads_k), (loss_p, stats_p, grads_p) = packed[:3], padded
+    torch.testing.assert_close(loss_k, loss_p, atol=atol, rtol=0)
+    assert len(stats_k) == len(stats_p)
+    for g, (sk, sp) in enumerate(zip(stats_k, stats_p)):
+        for name, a, b in zip(rlhf.PPOStats._fields, sk, sp):
+            assert a.shape == b.shape == ()
+            torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=lambda m: f"{g}.{name}: {m}")
+    assert grads_k.keys() == grads_p.keys()
+    for name in grads_p:
+        torch.testing.assert_close(grads_k[name], grads_p[name], atol=atol, rtol=0, msg=name)
+
+
+def _split(order, grad_accum):
+    m = len(order) // grad_accum
+    return [order[i : i + m] for i in range(0, len(order), m)]
+
+
+@pytest.mark.parametrize("grad_accum,rows", [(1, 2), (2, 1), (2, 3)])
+def test_packed_matches_padded_loss_stats_and_grads(grad_accum, rows):
+    policy, value = tiny_policy(), tiny_classifier()
+    traj, advantages, returns = _trajectory(policy, value, **RAGGED)
+    micro_batches = _split([3, 0, 6, 1, 7, 2, 5, 4], grad_accum)
+    padded = _padded(policy, value, traj, advantages, returns, micro_batches)
+    packed = _packed(packed_ppo_loss_step, policy, value, traj, advantages, returns, micro_batches, rows)
+    _assert_same(packed, padded)
+    assert max(g.abs().max() for g in padded[2].values()) > 1e-3  # not trivially zero
+    assert 0 < padded[1][0].clipfrac < 1.0 / grad_accum  # clipping is exercised
+
+
+def test_packed_matches_padded_with_activation_checkpointing():
+    policy, value = tiny_policy(), tiny_classifier()
+    traj, advantages, returns = _trajectory(policy, value, **RAGGED)
+    micro_batches = _split(list(range(8)), 2)
+    padded = _padded(policy, value, traj, advantages, returns, micro_batches)
+    for m in (policy, value):  # as the recipe does with enable_activation_checkpointing
+        training.set_activation_checkpointing(m, auto_wrap_policy={TransformerSelfAttentionLayer})
+    loss, stats, grads, _ = _packed(
+        packed_ppo_loss_step, policy, value, traj, advantages, returns, micro_batches, 2
+    )
+    grads = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in grads.items()}
+    _assert_same((loss, stats, grads), padded)
+
+
+def test_packing_holds_real_tokens_only():
+    policy, value = tiny_policy(), tiny_classifier()
+    traj, advantages, returns = _trajectory(policy, value, **RAGGED)
+    lengths = packing.sequence_lengths(traj, P)
+    assert lengths.prompt_lens == RAGGED["prompt_lens"]
+    spans = [T if s is None else s + 1 for s in RAGGED["stops"]]
+    assert lengths.spans == lengths.valid_counts == spans
+    steps = packing.pack_minibatch(traj, advantages, returns, [list(range(8))], lengths, prompt_len=P, rows=2)
+    real = sum(p + s - 1 for p, s in zip(lengths.prompt_lens, spans))
+    assert all(step.tokens.shape == (2, P + T - 1) and step.read_positions.shape == (2 * T,) for step in steps)
+    assert sum(int((step.segment_ids >= 0).sum()) for step in steps) == real
+    assert sum(int((step.weights > 0).sum()) for step in steps) == sum(spans)
+    # every read predicts the response token at its trajectory position
+    targets = torch.cat([s.targets[s.weights > 0] for s in steps]).sort().values
+    expected = torch.cat([traj.query_responses[i, P : P + n] for i, n in enumerate(spans)]).sort().values
+    assert torch.equal(targets, expected)
+    assert len(steps) < 8 * (P + T) / (2 * (P + T - 1))  # fewer slots than the padded rows
+
+
+def test_plan_places_whole_sequences_without_overlap():
+    tokens = [10, 3, 7, 9, 1, 5, 10, 2, 6]
+    reads = [4, 1, 7, 2, 1, 5, 9, 2, 3]
+    places, num_steps = packing.plan_micro_steps(tokens, reads, rows=2, row_len=10, max_reads=12)
+    slots, read_slots = set(), set()
+    for n, r, (step, slot, read) in zip(tokens, reads, places):
+        assert slot // 10 == (slot + n - 1) // 10 < 2  # inside one of the step's two rows
+        cells = {(step, slot + j) for j in range(n)}
+        assert not cells & slots
+        slots |= cells
+        cells = {(step, read + j) for j in range(r)}
+        assert not cells & read_slots and read + r <= 12
+        read_slots |= cells
+    assert {step for step, _, _ in places} == set(range(num_steps))
+    assert 3 <= num_steps <= 4  # >= 53 tokens / 20 slots and 34 reads / 12
+    with pytest.raises(ValueError, match="does not fit"):
+        packing.plan_micro_steps([11], [1], rows=2, row_len=10, max_reads=12)
+
+
+def _tied_policy():
+    torch.manual_seed(0)
+    return llama3_2(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
+                    max_seq_len=64, intermediate_dim=64, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("build", [tiny_policy, _tied_policy], ids=["linear", "tied"])
+def test_chunked_logprobs_equal_log_softmax_of_full_logits(build):
+    model = build()
+    prompts = left_padded_prompts([6, 2, 4], P)
+    masks, pos = masks_and_positions(torch.tensor([6, 2, 4]), P, 0)
+    with torch.no_grad():
+        full = model(prompts, mask=masks, input_pos=pos)  # [3, P, V]
+        hidden = final_hidden_states(model, prompts, mask=masks, input_pos=pos)
+        torch.testing.assert_close(model.output(hidden).float(), full, atol=1e-6, rtol=0)
+        targets = torch.randint(0, VOCAB, (3 * P,), generator=torch.Generator().manual_seed(0))
+        got = rlhf.chunked_logprobs(model.output, hidden.flatten(0, 1), targets, 0.7, chunk_size=5)
+    expected = torch.log_softmax(full.flatten(0, 1) / 0.7, -1).gather(1, targets[:, None])[:, 0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------- compiled
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """One compiled packed step and the models it is always called with."""
+    return maybe_compile(packed_ppo_loss_step, enabled=True), (tiny_policy(), tiny_classifier())
+
+
+def test_compiled_packed_matches_padded_and_never_recompiles(compiled):
+    step_fn, (policy, value) = compiled
+    counter = RecompileCounter()
+    graphs = compile_count()
+    for call, (mix, seed, order) in enumerate([
+        (RAGGED, 0, [3, 0, 6, 1, 7, 2, 5, 4]),
+        (OTHER_MIX, 1, [0, 1, 2, 3, 4, 5, 6, 7]),
+        (RAGGED, 2, [7, 6, 5, 4, 3, 2, 1, 0]),
+    ]):
+        traj, advantages, returns = _trajectory(policy, value, seed=seed, **mix)
+        micro_batches = _split(order, 2)
+        eager = copy.deepcopy(policy), copy.deepcopy(value)
+        padded = _padded(*eager, traj, advantages, returns, micro_batches)
+        packed = _packed(step_fn, policy, value, traj, advantages, returns, micro_batches, rows=3)
+        _assert_same(packed, padded)
+        if call == 0:
+            assert compile_count() - graphs == 1  # one graph for every micro-step
+            counter.mark()
+    assert counter.since_mark == 0
