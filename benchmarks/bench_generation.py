@@ -113,7 +113,7 @@ def torchtune_runner(model, args, *, kv_cache: bool, compiled: bool) -> Callable
 def ours_runner(model, args, *, compiled: bool) -> Callable:
     gen = Generator(model, batch_size=args.batch, max_prompt_len=args.prompt_len,
                     max_generated_tokens=args.gen_len, pad_id=PAD, stop_token_ids=[],
-                    temperature=1.0, top_k=TOP_K, compile=compiled,
+                    temperature=1.0, top_k=TOP_K, compiled=compiled,
                     compile_mode=args.compile_mode, dtype=args.dtype,
                     device=torch.device(args.device))
     prefill = gen._prefill
@@ -122,7 +122,8 @@ def ours_runner(model, args, *, compiled: bool) -> Callable:
         clock.fn = prefill
         gen._prefill = clock
         try:
-            return gen.generate(prompts, rng=rng).query_responses
+            # make_prompts never draws PAD as a real token, so its real lengths are these
+            return gen.generate(prompts, (prompts != PAD).sum(-1), rng=rng).query_responses
         finally:
             gen._prefill = prefill
 
