@@ -40,8 +40,7 @@ from torchtune_ppo.data import left_pad_prompts
 from torchtune_ppo.generation import Generator
 from torchtune_ppo.guards import SkippedSteps
 from torchtune_ppo.interrupt import stop_on_signals
-# The recipe's loss step is the packed one; setup() compiles it under this name.
-from torchtune_ppo.loss_step import packed_ppo_loss_step as ppo_loss_step
+from torchtune_ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.memory import memory_plan
 from torchtune_ppo.metrics import PhaseTimer, step_metrics
 from torchtune_ppo.rollout import Rollout
@@ -117,7 +116,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             else config.instantiate(cfg.profiler)[0]
         self._epsilon, self._value_clip_range, self._value_coeff = self._setup_loss(cfg.loss)
         self._rollout = self._setup_rollout(cfg, reward_model)
-        self._ppo_loss_step = maybe_compile(ppo_loss_step, enabled=self._compile.loss_step)
+        self._ppo_loss_step = maybe_compile(packed_ppo_loss_step, enabled=self._compile.loss_step)
         log.info(f"Compiled regions: {self._compile}")
         if resume_from:
             self._load_training_state(resume_from)

@@ -18,6 +18,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 
+from torchtune_ppo.packing import default_rows
+
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # torch.optim.AdamW keeps two states per parameter in the parameter's dtype; SGD with momentum
 # one; an 8-bit optimizer about half a byte each. Unknown optimizers are counted like AdamW.
@@ -105,9 +107,9 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None) -> MemoryPlan
 
     Rows: the four models' parameters; gradients of the policy and value model (one
     parameter's at a time with ``optimizer_in_bwd``); optimizer state; the KV cache of
-    ``forward_batch_size`` rows of ``P + T``; activations of one training micro-batch, taken as
-    ``16 * D`` bytes per token per layer (or ``2 * D`` with activation checkpointing) plus
-    float32 logits ``[micro_batch, P + T, V]``.
+    ``forward_batch_size`` rows of ``P + T``; activations of one packed training micro-step,
+    taken as ``16 * D`` bytes per token per layer (or ``2 * D`` with activation checkpointing)
+    plus the float32 logits kept for backward at the positions read, ``[rows * T, V]``.
     """
     dtype_bytes = _DTYPE_BYTES[cfg.dtype]
     policy, value = _meta(cfg.policy_model), _meta(cfg.reward_and_value_model)
@@ -118,6 +120,8 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None) -> MemoryPlan
     states = _OPTIMIZER_STATES.get(optimizer_name, 2.0)
     biggest = max(p.numel() for p in [*policy.parameters(), *value.parameters()])
     micro = cfg.ppo_batch_size // cfg.gradient_accumulation_steps
+    # The loss step packs a micro-batch's real tokens into rows of P + T - 1 (packing.py).
+    rows_per_step = default_rows(micro)
     embed_dim = policy.tok_embeddings.embedding_dim
     vocab = policy.tok_embeddings.num_embeddings
     per_token_layer = (2 if cfg.enable_activation_checkpointing else 16) * embed_dim
@@ -132,8 +136,9 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None) -> MemoryPlan
             0.0 if paged else trained * states * dtype_bytes,
         f"KV cache ({cfg.forward_batch_size} rows x {seq_len} tokens)":
             _kv_bytes(policy, cfg.forward_batch_size, seq_len, dtype_bytes),
-        f"activations (micro-batch {micro} x {seq_len} tokens)":
-            micro * seq_len * layers * per_token_layer * dtype_bytes + micro * seq_len * vocab * 4,
+        f"activations (micro-step {rows_per_step} packed rows x {seq_len - 1} tokens)":
+            rows_per_step * (seq_len - 1) * layers * per_token_layer * dtype_bytes
+            + rows_per_step * cfg.max_generated_tokens * vocab * 4,
     }
     device = str(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     activations = next(v for k, v in rows.items() if k.startswith("activations"))
