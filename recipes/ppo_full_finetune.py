@@ -43,6 +43,7 @@ from torchtune_ppo.interrupt import stop_on_signals
 from torchtune_ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.memory import memory_plan
 from torchtune_ppo.metrics import PhaseTimer, step_metrics
+from torchtune_ppo.optim import InBackwardOptimizer
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.trajectory import ModelReward, Trajectory
@@ -107,9 +108,13 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._sampler, self._dataloader = self._setup_data(cfg)
         self._check_memory(cfg)
         reward_model = self._setup_models(cfg, resume_from)
-        self._optimizer = config.instantiate(
-            cfg.optimizer,
-            chain(self._policy_model.parameters(), self._value_model.parameters()),
+        self._optimizer_in_bwd = cfg.optimizer_in_bwd
+        self._optimizer = (
+            InBackwardOptimizer(cfg.optimizer, {"policy": self._policy_model, "value": self._value_model})
+            if self._optimizer_in_bwd
+            else config.instantiate(
+                cfg.optimizer, chain(self._policy_model.parameters(), self._value_model.parameters())
+            )
         )
         self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler)
         self._profiler = training.setup_torch_profiler(enabled=False)[0] if cfg.profiler is None \
@@ -298,6 +303,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
 
     def _optimizer_step(self, minibatch_stats: List[rlhf.PPOStats]) -> bool:
         """Clip, then step; or drop the gradients when the loss or their norm is not finite."""
+        if self._optimizer_in_bwd:  # stepped in backward, which ran only for a finite loss
+            return bool(torch.stack([s.loss for s in minibatch_stats]).sum().isfinite())
         params = chain(self._policy_model.parameters(), self._value_model.parameters())
         max_norm = float("inf") if self._clip_grad_norm is None else float(self._clip_grad_norm)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
@@ -331,7 +338,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             trajectory, advantages, returns, micro_batches, lengths,
             prompt_len=self._prompt_len, rows=packing.default_rows(len(micro_batches[0])),
         )
-        step_stats = []
+        step_stats, losses = [], []
         for step in steps:  # same shapes every time: one compiled graph
             loss, stats = self._ppo_loss_step(
                 self._policy_model,
@@ -343,8 +350,18 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                 value_coeff=self._value_coeff,
                 num_micro_batches=len(micro_batches),
             )
-            loss.backward()
+            if self._optimizer_in_bwd:
+                losses.append(loss)  # one backward for the minibatch: its hooks step the weights
+            else:
+                loss.backward()
             step_stats.append(stats)
+        if losses:
+            total = torch.stack(losses).sum()
+            if total.isfinite():
+                total.backward()
+            else:
+                log.warning(f"step {self.steps_run + 1}: non-finite loss ({total.item():.4g}); "
+                            "this minibatch update is skipped.")
         return packing.micro_batch_stats(step_stats)
 
     def train_step(

@@ -268,3 +268,24 @@ def test_train_step_metrics_of_a_first_step(make_recipe):
     assert metrics["loss"] == pytest.approx(loss, abs=1e-5)
     assert 1.0 <= metrics["response_lengths"] <= cfg.max_generated_tokens
     assert 0.0 <= metrics["num_stop_tokens"] <= cfg.batch_size
+
+
+def test_optimizer_in_backward_takes_the_same_step(make_recipe):
+    """optimizer_in_bwd: one SGD per parameter, stepped in backward, equals the ordinary step;
+    two epochs over one minibatch are two steps, not one per packed micro-step."""
+    bwd = dict(SGD, gradient_accumulation_steps=1, optimizer_in_bwd=True)
+    plain_recipe, cfg = make_recipe(batch_size=4, ppo_epochs=2, **dict(SGD, gradient_accumulation_steps=1))
+    bwd_recipe, _ = make_recipe(batch_size=4, ppo_epochs=2, **bwd)
+    trajectory = _trajectory(plain_recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
+    advantages, returns, _, _ = plain_recipe.estimate_advantages(trajectory, PhaseTimer(CPU))
+    before = _params(bwd_recipe)
+    torch.manual_seed(0)
+    plain_recipe.ppo_update(trajectory, advantages, returns, PhaseTimer(CPU))
+    torch.manual_seed(0)
+    stats = bwd_recipe.ppo_update(trajectory, advantages, returns, PhaseTimer(CPU))
+    assert len(stats) == 2
+    assert max((a - b).abs().max().item() for a, b in zip(_params(bwd_recipe), before)) > 1e-4
+    _assert_params_close(_params(bwd_recipe), _params(plain_recipe))
+    assert all(p.grad is None for p in _trained(bwd_recipe))
+    state = bwd_recipe._optimizer.state_dict()
+    assert set(state) == {"policy", "value"} and "output.weight" in state["value"]

@@ -414,6 +414,11 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
             f"accumulate: set gradient_accumulation_steps=1 (got "
             f"{cfg.gradient_accumulation_steps}) or optimizer_in_bwd=False."
         )
+    if cfg.optimizer_in_bwd and cfg.lr_scheduler is not None:
+        raise ValueError(
+            "optimizer_in_bwd=True with an lr_scheduler is not supported (each parameter has its "
+            "own optimizer); set lr_scheduler=null or optimizer_in_bwd=False."
+        )
     if cfg.optimizer_in_bwd and cfg.clip_grad_norm is not None:
         raise ValueError(
             f"optimizer_in_bwd=True steps each parameter before the global gradient norm is "

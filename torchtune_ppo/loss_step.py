@@ -167,7 +167,8 @@ def packed_ppo_loss_step(
     per_token = torch.stack(
         [token_losses, policy_losses, 0.5 * value_losses, ratios, clipped, approx_kls]
     ).detach() * weights  # [6, N]
-    per_micro_batch = per_token.new_zeros(6, num_micro_batches).index_add(
-        1, micro_batch_ids, per_token
-    )  # [6, G]
+    # A one-hot matmul rather than index_add: inductor 2.13 fails to generate code for an
+    # atomic scatter into a size-1 dimension (grad_accum = 1).
+    onehot = torch.nn.functional.one_hot(micro_batch_ids, num_micro_batches).to(per_token.dtype)
+    per_micro_batch = per_token @ onehot  # [6, N] @ [N, G] -> [6, G]
     return loss, rlhf.PPOStats(*per_micro_batch)
