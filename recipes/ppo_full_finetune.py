@@ -29,6 +29,7 @@ from torchtune_ppo import checkpointing, packing, rlhf
 from torchtune_ppo._compile import RecompileCounter, maybe_compile
 from torchtune_ppo.config import (
     check_cli_overrides,
+    cpu_threads,
     check_sequence_length,
     instantiate_dataset,
     parse_compile,
@@ -62,6 +63,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         self._device = utils.get_device(device=cfg.device)
+        if self._device.type == "cpu":
+            torch.set_num_threads(cpu_threads(cfg.cpu_threads))
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self.seed = training.set_seed(seed=cfg.seed)
         self._rng = torch.Generator(self._device).manual_seed(self.seed)

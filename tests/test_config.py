@@ -368,3 +368,17 @@ def test_torchtune_only_keys_are_mapped_or_checked():
         validate_config(_cfg(optimizer_in_bwd=True))
     with pytest.raises(ValueError, match="whiten_rewards must be true or false"):
         validate_config(_cfg(whiten_rewards="sometimes"))
+
+
+def test_cpu_threads_auto_leaves_a_core_free(monkeypatch):
+    import os
+
+    from torchtune_ppo.config import cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads("auto") == max(1, cores - 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads("auto") == 3 and cpu_threads(2) == 2  # the environment wins over auto only
+    with pytest.raises(ValueError, match="cpu_threads must be 'auto' or a positive integer, got 0"):
+        validate_config(_cfg(cpu_threads=0))

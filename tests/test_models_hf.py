@@ -326,3 +326,43 @@ def test_config_runs_through_tune_run(tmp_path_factory, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     _check_run(out)
+
+
+def test_torchtunes_own_ppo_config_runs(tmp_path_factory, tmp_path, caplog):
+    """torchtune 0.6.1's mistral/7B_full_ppo_low_memory.yaml, with only model paths, tokenizer,
+    device and data changed (models at tiny dims, AdamW for bitsandbytes' PagedAdamW): it
+    trains on as many prompts as torchtune's recipe would, and says nothing but notes."""
+    import logging
+
+    import torchtune
+
+    import ppo_full_finetune
+
+    theirs = Path(torchtune.__file__).parents[1] / "recipes/configs/mistral/7B_full_ppo_low_memory.yaml"
+    spec = next(s for s in STANDINS if s.config == "mistral/7B_ppo_low_memory.yaml")
+    root = tmp_path_factory.mktemp("torchtune_mistral")
+    paths = [f"{k}={v}" for k, v in spec.build(root).items()]
+    prompts = prompts_file(root / "prompts.json")
+    changed = [*paths, *spec.tiny_models, *spec.extra, "device=cpu", "dataset.source=json",
+               f"dataset.data_files={prompts}", f"output_dir={tmp_path / 'run'}"]
+    as_given = validate_config(OmegaConf.merge(OmegaConf.load(theirs), OmegaConf.from_dotlist(changed)))
+    assert as_given.num_ppo_steps == 10000 // 128  # torchtune: num_steps // batch_size
+
+    # The same config run for two steps of 4 prompts (num_steps still counts prompts).
+    small = ["batch_size=4", "forward_batch_size=2", "ppo_batch_size=2", "num_steps=8",
+             "dtype=fp32", "compile=False", "max_generated_tokens=8"]
+    with caplog.at_level(logging.INFO):
+        cfg = validate_config(OmegaConf.merge(OmegaConf.load(theirs), OmegaConf.from_dotlist(changed + small)))
+        recipe = ppo_full_finetune.PPOFullFinetuneRecipe(cfg=cfg)
+        recipe.setup(cfg=cfg)
+        recipe.train()
+        recipe.cleanup()
+    assert cfg.num_ppo_steps == 2
+    ours = [r for r in caplog.records if r.name.startswith("torchtune") and r.pathname.find("torchtune_ppo") >= 0
+            or r.pathname.endswith("ppo_full_finetune.py")]
+    assert not [r.getMessage() for r in ours if r.levelno >= logging.WARNING]
+    notes = [r.getMessage() for r in ours if r.getMessage().startswith("Note:")]
+    assert any("num_steps=8 counts prompts" in n for n in notes)
+    assert any("enable_kv_cache" in n for n in notes)
+    rows = read_disk_log(tmp_path / "run" / "logs")
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)

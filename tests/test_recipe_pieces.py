@@ -289,3 +289,23 @@ def test_optimizer_in_backward_takes_the_same_step(make_recipe):
     assert all(p.grad is None for p in _trained(bwd_recipe))
     state = bwd_recipe._optimizer.state_dict()
     assert set(state) == {"policy", "value"} and "output.weight" in state["value"]
+
+
+def test_lr_scheduler_follows_optimizer_steps_and_is_saved(make_recipe):
+    """torchtune's cosine schedule with warm-up, over the run's optimizer steps
+    (num_ppo_steps * ppo_epochs * batch_size / ppo_batch_size = 2 * 2 * 2 = 8)."""
+    recipe, cfg = make_recipe(
+        num_ppo_steps=2, ppo_epochs=2, **{
+            "lr_scheduler._component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+            "lr_scheduler.num_warmup_steps": 2,
+        })
+    logged = []
+    recipe.train(on_step=lambda step, metrics: logged.append(metrics["lr"]))
+    base = cfg.optimizer.lr
+    # after 4 optimizer steps: progress (4 - 2) / 6, lr = base * (1 + cos(pi / 3)) / 2
+    assert logged[0] == pytest.approx(base * 0.75, rel=1e-6)
+    assert logged[1] == pytest.approx(0.0, abs=1e-12)  # 8 of 8 steps: the end of the cosine
+    from torchtune_ppo import checkpointing
+
+    state = checkpointing.load_training_state(checkpointing.latest_checkpoint(cfg.output_dir))
+    assert state["lr_scheduler"]["last_epoch"] == 8

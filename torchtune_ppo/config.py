@@ -59,6 +59,11 @@ OPTIONAL_KEYS = {
     # null: the longest prompt of the dataset (read once before any model loads).
     "max_prompt_len": None,
     "device": "cpu",
+    # Threads for CPU work. "auto": every core but one, so that one other busy process does
+    # not deschedule an OpenMP thread its peers spin-wait for (measured on 2 cores with one
+    # busy process: 2 threads 1.16 s a step, 1 thread 0.36 s; quiet: 0.26 s and 0.37 s). An
+    # OMP_NUM_THREADS in the environment wins over "auto". An int: exactly that many.
+    "cpu_threads": "auto",
     "dtype": "fp32",
     "seed": None,
     "shuffle": True,
@@ -425,6 +430,8 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
             f"known, so clip_grad_norm={cfg.clip_grad_norm} cannot apply: set clip_grad_norm=null "
             "or optimizer_in_bwd=False."
         )
+    if cfg.cpu_threads != "auto" and not (_is_int(cfg.cpu_threads) and cfg.cpu_threads >= 1):
+        raise ValueError(f"cpu_threads must be 'auto' or a positive integer, got {_show(cfg.cpu_threads)}.")
     if cfg.seed is not None and not _is_int(cfg.seed):
         raise ValueError(f"seed must be null or an integer, got {_show(cfg.seed)}.")
     for key in BOOL_KEYS:
@@ -544,6 +551,18 @@ def _check_reward(cfg: DictConfig) -> None:
                 "function reward runs eagerly: set compile.rollout=False (compile.generate and "
                 "compile.trajectory still compile everything else)."
             )
+
+
+def cpu_threads(setting: Any) -> int:
+    """The thread count ``cpu_threads`` means on this machine (see ``OPTIONAL_KEYS``)."""
+    import os
+
+    if setting != "auto":
+        return int(setting)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 def check_sequence_length(

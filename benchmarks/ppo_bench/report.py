@@ -86,6 +86,10 @@ def _notes(rows: List[Dict[str, Any]]) -> List[str]:
              if "loadavg_1min_after" in r]
     if loads:
         notes.append("- 1-min load average when each row ended (row: load): " + ", ".join(loads))
+    threads = sorted({r["threads"] for r in rows if "threads" in r})
+    if threads:
+        notes.append(f"- CPU threads in every row: {', '.join(map(str, threads))} "
+                     "(torch.set_num_threads; our rows' cpu_threads set to match torchtune's)")
     return notes
 
 

@@ -52,16 +52,20 @@ def run_row(spec_path: Path, out_path: Path) -> None:
     from .device import peak_memory
 
     spec = json.loads(Path(spec_path).read_text())
-    if spec.get("threads"):
-        import torch
+    import torch
 
+    if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
+    if spec["recipe"] != "torchtune":
+        # Our recipe sets its own thread count (cpu_threads, default: all cores but one);
+        # every row runs with the same count as torchtune's.
+        spec["cfg"]["cpu_threads"] = torch.get_num_threads()
     if spec["recipe"] == "torchtune":
         from .torchtune_row import run_torchtune_row as run
     else:
         from .ours_row import run_ours_row as run
     result = run(spec["cfg"])
-    result.update(status="ok", **peak_memory(spec["cfg"]["device"]))
+    result.update(status="ok", threads=torch.get_num_threads(), **peak_memory(spec["cfg"]["device"]))
     Path(out_path).write_text(json.dumps(result))
 
 
