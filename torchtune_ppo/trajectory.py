@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from torchtune_ppo import rlhf
+from torchtune_ppo._torchtune_patches import final_hidden_states
 
 
 class Trajectory(NamedTuple):
@@ -82,6 +83,23 @@ class ModelReward:
         return out[torch.arange(out.shape[0], device=out.device), last_idx, 0].float()
 
 
+def _response_logprobs(
+    model: nn.Module,
+    query_responses: torch.Tensor,
+    masks: torch.Tensor,
+    position_ids: torch.Tensor,
+    responses: torch.Tensor,
+    prompt_len: int,
+    temperature: float,
+) -> torch.Tensor:
+    """``[b, T]`` logprobs of ``responses``, projecting only the ``T`` positions that predict
+    them, in chunks (no ``[b, P + T, V]`` logits)."""
+    hidden = final_hidden_states(model, query_responses, mask=masks, input_pos=position_ids)
+    hidden = hidden[:, prompt_len - 1 : -1]  # [b, T, D]: position i predicts token i + 1
+    flat = rlhf.chunked_logprobs(model.output, hidden.flatten(0, 1), responses.flatten(), temperature)
+    return flat.view(responses.shape)
+
+
 def score_trajectory(
     query_responses: torch.Tensor,
     prompt_lens: torch.Tensor,
@@ -138,10 +156,10 @@ def score_trajectory(
 
     # step 2: policy and reference logprobs of the responses
     if logprobs is None:
-        logits = policy_model(query_responses, mask=masks, input_pos=position_ids)
-        logprobs = rlhf.response_logprobs(logits, responses, prompt_len, temperature)
-    ref_logits = ref_policy_model(query_responses, mask=masks, input_pos=position_ids)
-    ref_logprobs = rlhf.response_logprobs(ref_logits, responses, prompt_len, temperature)
+        logprobs = _response_logprobs(policy_model, query_responses, masks, position_ids,
+                                      responses, prompt_len, temperature)
+    ref_logprobs = _response_logprobs(ref_policy_model, query_responses, masks, position_ids,
+                                      responses, prompt_len, temperature)
 
     # step 3: values of the states before each response token
     values = rlhf.response_values(
