@@ -146,6 +146,28 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None) -> MemoryPlan
     return MemoryPlan(rows, total, total - activations, available_bytes(device), device)
 
 
+def check_plan(cfg: DictConfig, prompt_len: int, log) -> MemoryPlan:
+    """Logs the plan of ``cfg``; raises when its exact part cannot fit, warns on the estimate.
+
+    Raises:
+        RuntimeError: parameters, gradients, optimizer state and KV cache alone exceed the
+            device's free memory.
+    """
+    plan = memory_plan(cfg, prompt_len=prompt_len)
+    log.info(plan.table())
+    advice = ("lower forward_batch_size or ppo_batch_size (with gradient_accumulation_steps), "
+              "or set enable_activation_checkpointing=True, optimizer_in_bwd=True or dtype=bf16")
+    if not plan.fits:
+        raise RuntimeError(
+            f"the memory plan above needs {plan.exact / _GIB:.1f} GiB before activations but "
+            f"{plan.device} has {plan.available / _GIB:.1f} GiB free: {advice}."
+        )
+    if not plan.fits_estimate:
+        log.warning(f"the activation estimate brings the plan above the free memory; {advice} "
+                    "if the run runs out of memory.")
+    return plan
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)

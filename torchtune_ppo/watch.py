@@ -73,6 +73,17 @@ def log_samples(rows: Sequence[Dict[str, Any]], step: int, log_dir: Optional[str
         wandb.log({"samples": table}, step=step)
 
 
+def progress(metrics: Dict[str, float]) -> Dict[str, str]:
+    """The progress bar's postfix: mean score, KL and the seconds of each phase group."""
+    return {
+        "reward": f"{metrics['scores']:.3f}",
+        "kl": f"{metrics['kl']:.3f}",
+        "gen": f"{metrics['time/generate']:.2f}s",
+        "score": f"{metrics.get('time/score', 0.0) + metrics.get('time/reward', 0.0):.2f}s",
+        "ppo": f"{metrics.get('time/loss_step', 0.0) + metrics.get('time/optimizer', 0.0):.2f}s",
+    }
+
+
 def run_summary(rows: Sequence[Dict[str, float]], checkpoints: Sequence[Path]) -> str:
     """Steps run, the mean score of the first and last fifth of the steps, where checkpoints are."""
     if not rows:
