@@ -16,6 +16,7 @@ One PPO step reads as:
 import sys
 from functools import partial
 from itertools import chain
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -25,7 +26,7 @@ from torchtune import config, modules, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from torchtune_ppo import checkpointing, packing, rlhf
+from torchtune_ppo import checkpointing, distributed, packing, rlhf
 from torchtune_ppo._compile import RecompileCounter, maybe_compile
 from torchtune_ppo.config import (
     check_cli_overrides,
@@ -63,6 +64,9 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         self._device = utils.get_device(device=cfg.device)
+        # Under torchrun: one rank per process, each with 1/W of every batch of prompts.
+        distributed.init_distributed(self._device)
+        self._world_size, self._is_rank_zero = distributed.world_size(), distributed.rank() == 0
         if self._device.type == "cpu":
             torch.set_num_threads(cpu_threads(cfg.cpu_threads))
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
@@ -76,6 +80,10 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._ppo_epochs = cfg.ppo_epochs
         self._ppo_batch_size = cfg.ppo_batch_size
         self._grad_accum = cfg.gradient_accumulation_steps
+        self._check_world_size(cfg)
+        # This rank's share of the global batch_size and ppo_batch_size.
+        self._rank_batch_size = self._batch_size // self._world_size
+        self._rank_ppo_batch_size = self._ppo_batch_size // self._world_size
         self._prompt_len = cfg.max_prompt_len
         self._response_len = cfg.max_generated_tokens
         self._temperature = float(cfg.temperature)
@@ -97,6 +105,22 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._skipped = SkippedSteps(max_consecutive=cfg.max_consecutive_skipped_steps)
         self._pending_rng_state = None  # restored once the data iterator is back in place
         self._last_saved_step = None
+
+    def _check_world_size(self, cfg: DictConfig) -> None:
+        w = self._world_size
+        if w == 1:
+            return
+        for key in ("batch_size", "forward_batch_size", "ppo_batch_size"):
+            if cfg[key] % w:
+                raise ValueError(f"{key}={cfg[key]} is the global number of prompts per step, "
+                                 f"split over {w} processes: it must be a multiple of {w}.")
+        if (cfg.ppo_batch_size // w) % self._grad_accum:
+            raise ValueError(f"ppo_batch_size={cfg.ppo_batch_size} over {w} processes gives "
+                             f"{cfg.ppo_batch_size // w} rows per rank, not a multiple of "
+                             f"gradient_accumulation_steps={self._grad_accum}.")
+        if cfg.optimizer_in_bwd:
+            raise ValueError("optimizer_in_bwd=True runs on one process only; set it to False "
+                             f"to run on {w} processes.")
 
     def setup(self, cfg: DictConfig) -> None:
         # First, before anything is written to output_dir: a fresh run must not overwrite one.
@@ -155,7 +179,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     def _setup_rollout(self, cfg: DictConfig, reward_model: Optional[torch.nn.Module]) -> Rollout:
         generator = Generator(
             self._policy_model,
-            batch_size=self._forward_batch_size,
+            batch_size=self._forward_batch_size // self._world_size,
             max_prompt_len=self._prompt_len,
             max_generated_tokens=self._response_len,
             pad_id=self._pad_id,
@@ -188,7 +212,13 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
 
     def _load_training_state(self, checkpoint: str) -> None:
         state = checkpointing.load_training_state(checkpoint)
-        self._optimizer.load_state_dict(state["optimizer"])
+        if self._world_size == 1:
+            self._optimizer.load_state_dict(state["optimizer"])
+        else:
+            distributed.load_full_optimizer_state_dict(
+                {"policy": self._policy_model, "value": self._value_model}, self._optimizer,
+                state["optimizer"],
+            )
         if self._lr_scheduler is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.steps_run, self.epochs_run = state["steps_run"], state["epochs_run"]
@@ -198,6 +228,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._last_saved_step = self.steps_run
 
     def _setup_metric_logger(self, cfg: DictConfig):
+        if not self._is_rank_zero:
+            return distributed.NullMetricLogger()
         if cfg.metric_logger is None:
             return training.metric_logging.DiskLogger(log_dir=f"{cfg.output_dir}/logs")
         return config.instantiate(cfg.metric_logger)
@@ -219,6 +251,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
+        if trainable and self._world_size > 1:
+            distributed.shard(model)  # the frozen models stay whole on every rank
         if not trainable:
             model.eval()
             model.requires_grad_(False)
@@ -263,7 +297,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             log.info(f"{num_long} of {len(dataset)} prompts are longer than max_prompt_len="
                      f"{self._prompt_len}; their last {self._prompt_len} tokens are kept.")
         sampler = DistributedSampler(
-            dataset, num_replicas=1, rank=0, shuffle=cfg.shuffle, seed=self.seed
+            dataset, num_replicas=self._world_size, rank=distributed.rank(),
+            shuffle=cfg.shuffle, seed=self.seed,
         )
         collate = partial(
             left_pad_prompts,
@@ -272,7 +307,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             long_prompts=cfg.long_prompts,
         )
         loader = DataLoader(
-            dataset, batch_size=self._batch_size, sampler=sampler, drop_last=True, collate_fn=collate
+            dataset, batch_size=self._rank_batch_size, sampler=sampler, drop_last=True, collate_fn=collate
         )
         return sampler, loader
 
@@ -287,12 +322,15 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         an update with a non-finite loss or gradient norm is skipped (see :meth:`_optimizer_step`).
         """
         stats = []
-        micro_batch_size = self._ppo_batch_size // self._grad_accum
+        # On W ranks each shuffles its own rows into minibatches of ppo_batch_size / W, which
+        # together form one global minibatch.
+        batch_size, ppo_batch_size = self._rank_batch_size, self._rank_ppo_batch_size
+        micro_batch_size = ppo_batch_size // self._grad_accum
         lengths = packing.sequence_lengths(trajectory, self._prompt_len)  # one host sync
         for _ in range(self._ppo_epochs):
-            order = torch.randperm(self._batch_size, device=self._device).tolist()
-            for start in range(0, self._batch_size, self._ppo_batch_size):
-                minibatch = order[start : start + self._ppo_batch_size]
+            order = torch.randperm(batch_size, device=self._device).tolist()
+            for start in range(0, batch_size, ppo_batch_size):
+                minibatch = order[start : start + ppo_batch_size]
                 micro_batches = [minibatch[i : i + micro_batch_size]
                                  for i in range(0, len(minibatch), micro_batch_size)]
                 with timer("loss_step"):
@@ -305,12 +343,21 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         return stats
 
     def _optimizer_step(self, minibatch_stats: List[rlhf.PPOStats]) -> bool:
-        """Clip, then step; or drop the gradients when the loss or their norm is not finite."""
+        """Clip, then step; or drop the gradients when the loss or their norm is not finite.
+
+        On W ranks ``minibatch_stats`` are this rank's shares; they are summed over ranks in
+        place first, so every rank takes the same decision.
+        """
+        if self._world_size > 1:
+            totals = distributed.all_reduce_sum(torch.stack([torch.stack(s) for s in minibatch_stats]))
+            minibatch_stats[:] = [rlhf.PPOStats(*row.unbind()) for row in totals]
         if self._optimizer_in_bwd:  # stepped in backward, which ran only for a finite loss
             return bool(torch.stack([s.loss for s in minibatch_stats]).sum().isfinite())
         params = chain(self._policy_model.parameters(), self._value_model.parameters())
         max_norm = float("inf") if self._clip_grad_norm is None else float(self._clip_grad_norm)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+        if isinstance(grad_norm, torch.distributed.tensor.DTensor):  # sharded models: the global norm
+            grad_norm = grad_norm.full_tensor()
         loss = torch.stack([s.loss for s in minibatch_stats]).sum()
         finite = torch.stack([loss.isfinite(), grad_norm.isfinite()]).tolist()  # one host sync
         if all(finite):
@@ -337,9 +384,14 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         Returns one :class:`~torchtune_ppo.rlhf.PPOStats` per micro-batch, scaled by
         ``1 / gradient_accumulation_steps``.
         """
+        valid_totals = None
+        if self._world_size > 1:  # token weights over the global micro-batch's valid tokens
+            counts = torch.tensor([sum(lengths.valid_counts[i] for i in idxs) for idxs in micro_batches])
+            valid_totals = distributed.all_reduce_sum(counts.to(self._device)).tolist()
         steps = packing.pack_minibatch(
             trajectory, advantages, returns, micro_batches, lengths,
             prompt_len=self._prompt_len, rows=packing.default_rows(len(micro_batches[0])),
+            valid_totals=valid_totals,
         )
         step_stats, losses = [], []
         for step in steps:  # same shapes every time: one compiled graph
@@ -379,16 +431,23 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         """
         timer = PhaseTimer(self._device)
         with timer("step"):
-            trajectory = self._rollout(prompts, prompt_lens, self._rng, timer, references)
-            bad_rows = int((~trajectory.scores.isfinite()).sum())
+            with distributed.gathered_for_generation(self._policy_model):
+                trajectory = self._rollout(prompts, prompt_lens, self._rng, timer, references)
+            distributed.reshard(self._value_model)  # gathered by the no-grad scoring forward
+            bad_rows = int(distributed.all_reduce_sum((~trajectory.scores.isfinite()).sum()))
             if bad_rows:
                 log.warning(f"step {self.steps_run + 1}: the reward is not finite in {bad_rows} of "
                             f"{len(trajectory.scores)} rows; the update is skipped.")
             advantages, returns, kl, kl_rewards = self.estimate_advantages(trajectory, timer)
             stats = [] if bad_rows else self.ppo_update(trajectory, advantages, returns, timer)
-        if self._log_samples_every_n_steps and (self.steps_run + 1) % self._log_samples_every_n_steps == 0:
+        if (self._is_rank_zero and self._log_samples_every_n_steps
+                and (self.steps_run + 1) % self._log_samples_every_n_steps == 0):
             rows = sample_rows(trajectory, prompt_lens, self._tokenizer, self._prompt_len, n=4)
             log_samples(rows, self.steps_run + 1, f"{self._output_dir}/logs", log)
+        if self._world_size > 1:  # metrics over the global batch
+            trajectory = SimpleNamespace(**{k: distributed.all_gather_rows(getattr(trajectory, k)) for k in
+                                            ("query_responses", "scores", "response_padding_masks", "seq_lens")})
+            kl, kl_rewards = distributed.all_gather_rows(kl), distributed.all_gather_rows(kl_rewards)
         metrics = step_metrics(trajectory, stats, kl, kl_rewards, timer.times,
                                grad_accum=self._grad_accum, ppo_epochs=self._ppo_epochs)
         updates = self._ppo_epochs * (self._batch_size // self._ppo_batch_size)
@@ -419,10 +478,12 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                 trajectory.seq_lens,
                 valid,
             )
+            # Whitening over every rank's valid tokens.
+            reduce = distributed.all_reduce_sum if self._world_size > 1 else None
             if self._whiten_rewards:
-                rewards = rlhf.whiten(rewards, valid)
+                rewards = rlhf.whiten(rewards, valid, reduce=reduce)
             advantages, returns = rlhf.estimate_advantages(
-                trajectory.values, rewards, self._gamma, self._lmbda, valid
+                trajectory.values, rewards, self._gamma, self._lmbda, valid, reduce=reduce
             )
         return advantages, returns, kl, kl_rewards
 
@@ -431,7 +492,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
 
         SIGINT or SIGTERM finishes the current step, saves a checkpoint and exits.
         """
-        pbar = tqdm(total=self._num_steps, initial=self.steps_run, desc="PPO", dynamic_ncols=True)
+        pbar = tqdm(total=self._num_steps, initial=self.steps_run, desc="PPO", dynamic_ncols=True,
+                    disable=not self._is_rank_zero)
         self._profiler.start()
         with stop_on_signals() as stop:
             while self.steps_run < self._num_steps and not stop:
@@ -440,7 +502,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         pbar.close()
         if self._last_saved_step != self.steps_run:
             self.save_checkpoint(self.steps_run)
-        log.info(run_summary(self._score_history, checkpointing.existing_checkpoints(self._output_dir)))
+        if self._is_rank_zero:
+            log.info(run_summary(self._score_history, checkpointing.existing_checkpoints(self._output_dir)))
         if stop:
             log.warning(f"Stopped after step {self.steps_run}. To continue: tune run "
                         f"{' '.join(sys.argv)} output_dir={self._output_dir} resume_from_checkpoint=True")
@@ -501,8 +564,11 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     def save_checkpoint(self, step: int) -> None:
         """Write ``<output_dir>/checkpoints/step_<step>``: policy and value in HF format and the
         training state (optimizer, counters, data position, random states), atomically."""
+        models = {"policy": self._policy_model, "value": self._value_model}
         training_state = {
-            "optimizer": self._optimizer.state_dict(),
+            # On W ranks: keyed by parameter name with full tensors, so any W can resume it.
+            "optimizer": self._optimizer.state_dict() if self._world_size == 1
+            else distributed.full_optimizer_state_dict(models, self._optimizer),
             "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
             "steps_run": self.steps_run,
             "epochs_run": self.epochs_run,
@@ -510,12 +576,12 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             "skipped_steps": self._skipped.state_dict(),
             "rng": checkpointing.capture_rng_state([self._rng]),
         }
-        self._checkpoints.save(
-            step,
-            {k: v.detach().cpu() for k, v in self._policy_model.state_dict().items()},
-            {k: v.detach().cpu() for k, v in self._value_model.state_dict().items()},
-            training_state,
-        )
+        # Every rank takes part in gathering the weights; rank 0 writes them. The random states
+        # are rank 0's: a resume on another number of ranks draws different samples.
+        policy, value = (distributed.full_state_dict(m) for m in models.values())
+        if self._is_rank_zero:
+            self._checkpoints.save(step, policy, value, training_state)
+        distributed.barrier()
         self._last_saved_step = step
 
     def cleanup(self) -> None:

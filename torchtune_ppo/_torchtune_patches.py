@@ -18,6 +18,7 @@ from typing import Iterator, List, Optional
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torchtune.modules import TransformerDecoder
 
 _NO_HIDDEN_STATES: List[int] = []  # one object, so dynamo's guards on it never change
@@ -75,10 +76,44 @@ def final_hidden_states(
             f"sequence length {tokens.shape[1]} is longer than the model's max_seq_len "
             f"({model.max_seq_len})"
         )
+    if isinstance(model, FSDPModule):
+        return _hidden_states_through_root(model, tokens, mask=mask, input_pos=input_pos)
     h = model.tok_embeddings(tokens)
     for layer in model.layers:
         h = layer(h, mask=mask, input_pos=input_pos)
     return model.norm(h)
+
+
+class _Identity(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+def _hidden_states_through_root(
+    model: TransformerDecoder, tokens: torch.Tensor, *, mask: torch.Tensor, input_pos: torch.Tensor
+) -> torch.Tensor:
+    # An FSDP2 root's forward hooks gather its own parameters (embeddings, norm, output) and
+    # arrange their gradient reduction; calling the decoder's parts directly would skip both.
+    # With the output layer swapped for an identity, forward returns norm(h). The root keeps
+    # its parameters gathered after forward, so the caller's model.output(h) reads the gathered
+    # weight and its gradient is reduced with the root's.
+    dtype = model.tok_embeddings.weight.dtype
+    output, chunks = model.output, model.num_output_chunks
+    tied = not isinstance(output, nn.Module)  # TiedLinear is a plain attribute
+    if tied:
+        object.__setattr__(model, "output", _Identity())
+    else:
+        model.output = _Identity()
+    model.num_output_chunks = 0
+    try:
+        h = model(tokens, mask=mask, input_pos=input_pos)
+    finally:
+        if tied:
+            object.__setattr__(model, "output", output)
+        else:
+            model.output = output
+        model.num_output_chunks = chunks
+    return h.to(dtype)  # unembed casts to float32
 
 
 class StaticKVCache:

@@ -19,7 +19,7 @@ all micro-steps of a minibatch equals the sum of the micro-batches' masked means
 ``1 / grad_accum``: the same loss, gradients and stats as the padded micro-batches.
 """
 
-from typing import List, NamedTuple, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -161,6 +161,7 @@ def pack_minibatch(
     prompt_len: int,
     rows: int,
     max_reads: int = 0,
+    valid_totals: Optional[Sequence[int]] = None,
 ) -> List[PackedMicroStep]:
     """The packed micro-steps of one minibatch: placement on the host, gathers on the device.
 
@@ -174,6 +175,9 @@ def pack_minibatch(
         prompt_len (int): ``P``.
         rows (int): ``R``, rows per micro-step.
         max_reads (int): ``N``, reads per micro-step; 0 means ``R * T``, a padded micro-batch's.
+        valid_totals (Optional[Sequence[int]]): per micro-batch, the valid tokens its weights
+            divide by; None for its own. With data parallel ranks: the global micro-batch's, so
+            the ranks' weighted losses sum to the global micro-batch's mean.
 
     Returns:
         List[PackedMicroStep]: one or more micro-steps, all of the same shapes.
@@ -184,8 +188,9 @@ def pack_minibatch(
     max_reads = max_reads or rows * response_len
     grad_accum = len(micro_batches)
     seqs = [(g, i) for g, idxs in enumerate(micro_batches) for i in idxs if lengths.spans[i] > 0]
-    scale = [1.0 / (grad_accum * max(sum(lengths.valid_counts[i] for i in idxs), 1))
-             for idxs in micro_batches]
+    if valid_totals is None:
+        valid_totals = [sum(lengths.valid_counts[i] for i in idxs) for idxs in micro_batches]
+    scale = [1.0 / (grad_accum * max(n, 1)) for n in valid_totals]
     token_counts = [lengths.prompt_lens[i] + lengths.spans[i] - 1 for _, i in seqs]
     places, num_steps = plan_micro_steps(
         token_counts, [lengths.spans[i] for _, i in seqs],

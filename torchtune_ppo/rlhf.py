@@ -77,7 +77,12 @@ def response_values(values: torch.Tensor, prompt_len: int) -> torch.Tensor:
     return values[:, prompt_len - 1 : -1, 0].float()
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    eps: float = 1e-8,
+    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> torch.Tensor:
     """Shift and scale ``x`` to zero mean and unit (unbiased) variance over valid positions.
 
     Unlike ``torchtune.rlhf.whiten`` with its default ``shift_mean=True``, the mean is not
@@ -87,10 +92,19 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
         x (torch.Tensor): values, any shape, e.g. ``[b, response_len]``.
         mask (torch.Tensor): bool, same shape as ``x``, True where valid.
         eps (float): added to the variance before the square root.
+        reduce (Optional[Callable]): sums a tensor over processes, so that the mean and variance
+            are over every process's valid positions; None for this process's only.
 
     Returns:
         torch.Tensor: whitened values with the shape of ``x``.
     """
+    if reduce is not None:
+        m = mask.to(x.dtype)
+        sums = reduce(torch.stack([(x * m).sum(), m.sum()]))
+        n = sums[1]
+        centered = (x - sums[0] / n.clamp(min=1.0)) * mask
+        var = reduce(centered.pow(2).sum()) / (n - 1).clamp(min=1.0)
+        return centered * torch.rsqrt(var + eps)
     mean = masked_mean(x, mask)
     centered = (x - mean) * mask
     n = mask.sum().to(x.dtype)
@@ -185,6 +199,7 @@ def estimate_advantages(
     gamma: float,
     lmbda: float,
     masks: torch.Tensor,
+    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (https://arxiv.org/abs/1506.02438), then whitening.
 
@@ -197,6 +212,7 @@ def estimate_advantages(
         gamma (float): discount factor.
         lmbda (float): GAE lambda.
         masks (torch.Tensor): bool ``[b, response_len]``, True where valid.
+        reduce (Optional[Callable]): see :func:`whiten`.
 
     Returns:
         Tuple[torch.Tensor, torch.Tensor]: ``advantages`` (whitened over valid tokens, 0 elsewhere)
@@ -214,7 +230,7 @@ def estimate_advantages(
         advantages.append(last_gae)
     advantages = torch.stack(advantages[::-1], dim=1)
     returns = advantages + values
-    return whiten(advantages, masks), returns
+    return whiten(advantages, masks, reduce=reduce), returns
 
 
 def ppo_token_losses(

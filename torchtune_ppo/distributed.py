@@ -1,0 +1,158 @@
+"""Data parallelism over prompts with torchrun and FSDP2: everything the recipe needs of ranks.
+
+With one process (no ``WORLD_SIZE``/``RANK`` in the environment) every function here is a
+no-op and the recipe runs as on one device. Under ``torchrun --nproc_per_node W`` each rank
+takes ``1/W`` of a step's prompts; the trained models are sharded per transformer layer
+(``fully_shard``), the frozen ones replicated. Reductions are sums across ranks: the recipe
+turns its per-rank quantities into shares of the global batch (token weights over the global
+valid count), so the sum is the 1-process value.
+"""
+
+import contextlib
+import os
+from typing import Any, Dict, Iterator, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torchtune import modules, training
+
+
+def init_distributed(device: torch.device) -> bool:
+    """Joins the process group from torchrun's environment; returns False with one process."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return False
+    if not dist.is_initialized():
+        dist.init_process_group(backend=training.get_distributed_backend(device.type))
+    return True
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of ``x`` over ranks (a new tensor); ``x`` itself with one process."""
+    if world_size() == 1:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[b, ...]`` per rank -> ``[W * b, ...]``, rank-major; ``x`` with one process."""
+    if world_size() == 1:
+        return x
+    out = [torch.empty_like(x) for _ in range(world_size())]
+    dist.all_gather(out, x.contiguous())
+    return torch.cat(out)
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def shard(model: nn.Module) -> None:
+    """FSDP2 per transformer layer, then the root (embeddings, final norm, output).
+
+    Gradients are reduce-scattered as sums, not means: the loss step weights each token by
+    ``1 / (global valid tokens)``, so each rank's gradient is already its share of the global one.
+    """
+    training.shard_model(
+        model, [lambda n, m: isinstance(m, modules.TransformerSelfAttentionLayer)], cpu_offload=False
+    )
+    for m in _fsdp_modules(model):
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    # The root's parameters stay gathered from forward to backward: the loss step applies the
+    # output layer after the root's forward (see _torchtune_patches.final_hidden_states), and
+    # backward would gather them again at once anyway.
+    model.set_reshard_after_forward(False, recurse=False)
+
+
+def _fsdp_modules(model: nn.Module) -> List[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard(model: nn.Module) -> None:
+    """Frees the gathered parameters a no-grad forward left behind (FSDP2 keeps the root's
+    gathered after forward, expecting a backward); a no-op on a plain module."""
+    for m in _fsdp_modules(model):
+        m.reshard()
+
+
+@contextlib.contextmanager
+def gathered_for_generation(model: nn.Module) -> Iterator[None]:
+    """Every layer's parameters gathered once for a whole generate call, then freed.
+
+    Without this each decode step would all-gather every layer again (``T`` gathers per call).
+    The gathered weights cost the full model's size for the duration of generation, the same
+    as a gathered copy would, without a copy. A no-op on a plain module.
+    """
+    fsdp = _fsdp_modules(model)
+    # The root never reshards after forward (see shard).
+    layers = [m for m in fsdp if m is not model]
+    for m in fsdp:
+        m.unshard()
+    for m in layers:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.set_reshard_after_forward(True, recurse=False)
+        for m in fsdp:
+            m.reshard()
+
+
+def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The full CPU state dict on rank 0 (empty elsewhere); every rank must call it."""
+    if isinstance(model, FSDPModule):
+        return training.gather_cpu_state_dict(model, rank() == 0)
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def full_optimizer_state_dict(models: Dict[str, nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The optimizer state keyed by parameter names (``policy.<fqn>``), full tensors on the CPU,
+    so it loads on any number of ranks. Every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(
+        nn.ModuleDict(models), optimizer,
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+    )
+
+
+def load_full_optimizer_state_dict(
+    models: Dict[str, nn.Module], optimizer: torch.optim.Optimizer, state: Dict[str, Any]
+) -> None:
+    """Loads :func:`full_optimizer_state_dict`'s output into a (sharded) optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(
+        nn.ModuleDict(models), optimizer, optim_state_dict=state,
+        options=StateDictOptions(full_state_dict=True),
+    )
+
+
+class NullMetricLogger:
+    """What ranks other than 0 log to: nothing."""
+
+    def log_config(self, cfg: Any) -> None:
+        pass
+
+    def log_dict(self, payload: Dict[str, float], step: int) -> None:
+        pass
+
+    def log(self, name: str, data: Any, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
