@@ -71,7 +71,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             torch.set_num_threads(cpu_threads(cfg.cpu_threads))
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self.seed = training.set_seed(seed=cfg.seed)
-        self._rng = torch.Generator(self._device).manual_seed(self.seed)
+        # Each rank samples its own prompts' responses from its own stream.
+        self._rng = torch.Generator(self._device).manual_seed(self.seed + distributed.rank())
         self._compile = parse_compile(cfg.compile)
         self._output_dir = cfg.output_dir
         self._num_steps = cfg.num_ppo_steps
@@ -212,19 +213,23 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
 
     def _load_training_state(self, checkpoint: str) -> None:
         state = checkpointing.load_training_state(checkpoint)
-        if self._world_size == 1:
+        models = {"policy": self._policy_model, "value": self._value_model}
+        if self._world_size == 1 and not distributed.keyed_by_name(state["optimizer"]):
             self._optimizer.load_state_dict(state["optimizer"])
-        else:
-            distributed.load_full_optimizer_state_dict(
-                {"policy": self._policy_model, "value": self._value_model}, self._optimizer,
-                state["optimizer"],
-            )
+        else:  # saved or loaded on several ranks: a full state keyed by parameter name
+            distributed.load_full_optimizer_state_dict(models, self._optimizer, state["optimizer"])
         if self._lr_scheduler is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.steps_run, self.epochs_run = state["steps_run"], state["epochs_run"]
         self._batches_run_in_epoch = state["batches_run_in_epoch"]
         self._skipped.load_state_dict(state["skipped_steps"])
         self._pending_rng_state = state["rng"]
+        if self._world_size > 1:
+            per_rank = state.get("rng_per_rank") or []
+            self._pending_rng_state = per_rank[distributed.rank()] if len(per_rank) == self._world_size else None
+            if self._pending_rng_state is None and self._is_rank_zero:
+                log.warning(f"{checkpoint} was saved on {len(per_rank) or 1} process(es), not "
+                            f"{self._world_size}: the random states start afresh.")
         self._last_saved_step = self.steps_run
 
     def _setup_metric_logger(self, cfg: DictConfig):
@@ -576,6 +581,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             "skipped_steps": self._skipped.state_dict(),
             "rng": checkpointing.capture_rng_state([self._rng]),
         }
+        if self._world_size > 1:  # resumed on the same number of ranks, each gets its own back
+            training_state["rng_per_rank"] = distributed.all_gather_objects(training_state["rng"])
         # Every rank takes part in gathering the weights; rank 0 writes them. The random states
         # are rank 0's: a resume on another number of ranks draws different samples.
         policy, value = (distributed.full_state_dict(m) for m in models.values())

@@ -1,6 +1,7 @@
 """The recipe on 2 CPU processes (torchrun, gloo, FSDP2) against 1 process over the same prompts."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,14 +23,14 @@ TUNE = [sys.executable, "-m", "torchtune._cli.tune"]
 OVERRIDES = [
     "batch_size=8", "forward_batch_size=8", "ppo_batch_size=8", "gradient_accumulation_steps=1",
     "ppo_epochs=2", "max_generated_tokens=8", "top_k=1", "compile=False", "cpu_threads=1",
-    "num_ppo_steps=3", "save_every_n_steps=null", "log_samples_every_n_steps=null",
+    "num_ppo_steps=3", "save_every_n_steps=2", "log_samples_every_n_steps=null",
 ]
 
 
-def _run(output_dir: Path, nproc: int):
+def _run(output_dir: Path, nproc: int, *extra: str):
     launch = ["run"] if nproc == 1 else ["run", "--nproc_per_node", str(nproc)]
     cmd = [*TUNE, *launch, "ppo_full_finetune", "--config", str(CONFIG),
-           f"output_dir={output_dir}", *OVERRIDES]
+           f"output_dir={output_dir}", *OVERRIDES, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -66,10 +67,21 @@ def test_two_processes_match_one(tmp_path):
         assert b["skipped_updates"] == a["skipped_updates"] == 0
         assert b["recompiles"] == 0
 
-    # One checkpoint, written once by rank 0, loadable by torchtune's HF checkpointer. After 6
+    # Checkpoints written once by rank 0, loadable by torchtune's HF checkpointer. After 6
     # Adam updates at lr 3e-4 (measured: 1e-5 apart); each update moves a weight by up to the
     # lr, so per-rank normalisation errors would show as differences of that order.
-    assert sorted(p.name for p in (tmp_path / "two/checkpoints").iterdir()) == ["step_3"]
+    assert sorted(p.name for p in (tmp_path / "two/checkpoints").iterdir()) == ["step_2", "step_3"]
     a, b = _policy(tmp_path / "one", tmp_path), _policy(tmp_path / "two", tmp_path)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(pb, pa, atol=1e-4, rtol=0, msg=name)
+
+    # The 2-process step_2 resumed on 1 process: the optimizer state is saved keyed by parameter
+    # name with full tensors, so step 3 repeats the uninterrupted 1-process run's.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "two", resumed)
+    shutil.rmtree(resumed / "checkpoints/step_3")
+    (resumed / "logs").rename(tmp_path / "two_logs")
+    rows = _run(resumed, 1, "resume_from_checkpoint=True")
+    assert len(rows) == 1
+    for key in ("scores", "kl", "loss", "policy_loss", "value_loss", "ratios"):
+        assert rows[0][key] == pytest.approx(one[2][key], rel=1e-3, abs=1e-5), (key, one[2], rows[0])

@@ -54,6 +54,13 @@ def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
+def all_gather_objects(obj: Any) -> List[Any]:
+    """Every rank's ``obj``, in rank order."""
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()
@@ -130,12 +137,33 @@ def full_optimizer_state_dict(models: Dict[str, nn.Module], optimizer: torch.opt
     )
 
 
+def keyed_by_name(optimizer_state: Dict[str, Any]) -> bool:
+    """Whether an optimizer state dict is :func:`full_optimizer_state_dict`'s (parameter names),
+    not ``Optimizer.state_dict()``'s (parameter indices)."""
+    params = [p for group in optimizer_state["param_groups"] for p in group["params"]]
+    return bool(params) and isinstance(params[0], str)
+
+
+def _by_name(models: Dict[str, nn.Module], optimizer_state: Dict[str, Any]) -> Dict[str, Any]:
+    # Optimizer.state_dict() numbers the parameters in the order the optimizer was given them:
+    # the policy's, then the value model's.
+    names = [f"{prefix}.{n}" for prefix, m in models.items() for n, _ in m.named_parameters()]
+    return {
+        "state": {names[i]: v for i, v in optimizer_state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                         for g in optimizer_state["param_groups"]],
+    }
+
+
 def load_full_optimizer_state_dict(
     models: Dict[str, nn.Module], optimizer: torch.optim.Optimizer, state: Dict[str, Any]
 ) -> None:
-    """Loads :func:`full_optimizer_state_dict`'s output into a (sharded) optimizer."""
+    """Loads :func:`full_optimizer_state_dict`'s output, or a 1-process ``Optimizer.state_dict()``
+    of the same models, into a (possibly sharded) optimizer."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if not keyed_by_name(state):
+        state = _by_name(models, state)
     set_optimizer_state_dict(
         nn.ModuleDict(models), optimizer, optim_state_dict=state,
         options=StateDictOptions(full_state_dict=True),
