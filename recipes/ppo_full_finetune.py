@@ -13,6 +13,7 @@ One PPO step reads as:
                    ─ ppo_epochs × minibatches × grad-accumulation: loss step, backward, optimizer
 """
 
+import dataclasses
 import sys
 from functools import partial
 from itertools import chain
@@ -74,6 +75,13 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         # Each rank samples its own prompts' responses from its own stream.
         self._rng = torch.Generator(self._device).manual_seed(self.seed + distributed.rank())
         self._compile = parse_compile(cfg.compile)
+        if self._world_size > 1 and (self._compile.generate or self._compile.trajectory or self._compile.rollout):
+            # Their regions are compiled whole (fullgraph), which FSDP2's hooks on the sharded
+            # policy and value model would break; only the loss step compiles under FSDP.
+            if self._is_rank_zero:
+                log.warning(f"compile.generate, compile.trajectory and compile.rollout run eager on "
+                            f"{self._world_size} processes; compile.loss_step={self._compile.loss_step}.")
+            self._compile = dataclasses.replace(self._compile, generate=False, trajectory=False, rollout=False)
         self._output_dir = cfg.output_dir
         self._num_steps = cfg.num_ppo_steps
         self._batch_size = cfg.batch_size
@@ -149,7 +157,10 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             else config.instantiate(cfg.profiler)[0]
         self._epsilon, self._value_clip_range, self._value_coeff = self._setup_loss(cfg.loss)
         self._rollout = self._setup_rollout(cfg, reward_model)
-        self._ppo_loss_step = maybe_compile(packed_ppo_loss_step, enabled=self._compile.loss_step)
+        # FSDP2's hooks run outside dynamo: under FSDP the region breaks its graph at each
+        # sharded module's forward (the pieces between are compiled).
+        self._ppo_loss_step = maybe_compile(packed_ppo_loss_step, enabled=self._compile.loss_step,
+                                            fullgraph=self._world_size == 1)
         log.info(f"Compiled regions: {self._compile}")
         if resume_from:
             self._load_training_state(resume_from)

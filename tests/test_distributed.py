@@ -50,10 +50,17 @@ def _policy(output_dir: Path, tmp_path: Path) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
-def test_two_processes_match_one(tmp_path):
-    one, two = _run(tmp_path / "one", 1), _run(tmp_path / "two", 2)
-    assert len(one) == len(two) == 3
+pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The 1-process run: its output folder and logged rows."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    return out, _run(out, 1)
+
+
+def _assert_rows_match(one, two):
     for a, b in zip(one, two):
         # The same prompts and greedy responses: the rollout differs only in summation order.
         for key in ("scores", "kl", "kl_reward", "rlhf_reward", "response_lengths", "num_stop_tokens"):
@@ -67,11 +74,18 @@ def test_two_processes_match_one(tmp_path):
         assert b["skipped_updates"] == a["skipped_updates"] == 0
         assert b["recompiles"] == 0
 
+
+def test_two_processes_match_one(one_process, tmp_path):
+    one_dir, one = one_process
+    two = _run(tmp_path / "two", 2)
+    assert len(one) == len(two) == 3
+    _assert_rows_match(one, two)
+
     # Checkpoints written once by rank 0, loadable by torchtune's HF checkpointer. After 6
     # Adam updates at lr 3e-4 (measured: 1e-5 apart); each update moves a weight by up to the
     # lr, so per-rank normalisation errors would show as differences of that order.
     assert sorted(p.name for p in (tmp_path / "two/checkpoints").iterdir()) == ["step_2", "step_3"]
-    a, b = _policy(tmp_path / "one", tmp_path), _policy(tmp_path / "two", tmp_path)
+    a, b = _policy(one_dir, tmp_path), _policy(tmp_path / "two", tmp_path)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(pb, pa, atol=1e-4, rtol=0, msg=name)
 
@@ -85,3 +99,12 @@ def test_two_processes_match_one(tmp_path):
     assert len(rows) == 1
     for key in ("scores", "kl", "loss", "policy_loss", "value_loss", "ratios"):
         assert rows[0][key] == pytest.approx(one[2][key], rel=1e-3, abs=1e-5), (key, one[2], rows[0])
+
+
+def test_compiled_loss_step_under_fsdp_matches_one_eager_process(one_process, tmp_path):
+    # compile=True: the loss step compiles (with graph breaks at FSDP2's hooks), generation
+    # and scoring run eager on several processes; nothing recompiles after step 1.
+    _, one = one_process
+    two = _run(tmp_path / "two", 2, "compile=True", "num_ppo_steps=2", "save_every_n_steps=null")
+    assert len(two) == 2
+    _assert_rows_match(one[:2], two)
