@@ -409,6 +409,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             prompt_len=self._prompt_len, rows=packing.default_rows(len(micro_batches[0])),
             valid_totals=valid_totals,
         )
+        steps = distributed.pad_micro_steps(steps)  # every rank runs as many
         step_stats, losses = [], []
         for step in steps:  # same shapes every time: one compiled graph
             loss, stats = self._ppo_loss_step(

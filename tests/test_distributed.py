@@ -1,5 +1,6 @@
 """The recipe on 2 CPU processes (torchrun, gloo, FSDP2) against 1 process over the same prompts."""
 
+import math
 import os
 import shutil
 import subprocess
@@ -32,7 +33,7 @@ def _run(output_dir: Path, nproc: int, *extra: str):
     cmd = [*TUNE, *launch, "ppo_full_finetune", "--config", str(CONFIG),
            f"output_dir={output_dir}", *OVERRIDES, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return read_disk_log(output_dir / "logs")
 
@@ -108,3 +109,17 @@ def test_compiled_loss_step_under_fsdp_matches_one_eager_process(one_process, tm
     two = _run(tmp_path / "two", 2, "compile=True", "num_ppo_steps=2", "save_every_n_steps=null")
     assert len(two) == 2
     _assert_rows_match(one[:2], two)
+
+
+def test_sampled_run_with_accumulation_keeps_ranks_in_step(tmp_path):
+    # Sampling and shorter minibatches: each rank packs its own rows into as many micro-steps as
+    # their lengths need; the ranks must still run the same number of FSDP passes (a mismatch
+    # hangs until the timeout).
+    rows = _run(tmp_path / "two", 2, "top_k=null", "batch_size=16", "forward_batch_size=8",
+                "ppo_batch_size=8", "gradient_accumulation_steps=2", "max_generated_tokens=12",
+                "num_ppo_steps=2", "save_every_n_steps=null")
+    assert len(rows) == 2
+    for row in rows:
+        for key in ("loss", "policy_loss", "value_loss", "kl", "scores", "ratios"):
+            assert math.isfinite(row[key]), (key, row)
+        assert row["skipped_updates"] == 0

@@ -61,6 +61,22 @@ def all_gather_objects(obj: Any) -> List[Any]:
     return out
 
 
+def pad_micro_steps(steps: List[Any]) -> List[Any]:
+    """The packed micro-steps of one minibatch, padded to the most any rank has.
+
+    Every rank must run the same number of forward/backward passes through the sharded models
+    (each gathers parameters and reduces gradients collectively), but packing gives each rank
+    as many as its own rows' lengths need. The extra ones repeat the first with every weight
+    0: no loss, no gradient, no stats.
+    """
+    if world_size() == 1:
+        return steps
+    n = torch.tensor(len(steps))
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    filler = steps[0]._replace(weights=torch.zeros_like(steps[0].weights))
+    return steps + [filler] * (int(n) - len(steps))
+
+
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()
