@@ -550,6 +550,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             self._profiler.step()
             if on_step is not None:
                 on_step(self.steps_run, metrics)
+            distributed.agree_on_stop(stop)  # torchrun signals ranks at slightly different times
             if self._save_due():
                 self.save_checkpoint(self.steps_run)
             if self.steps_run == self._num_steps or stop:

@@ -77,6 +77,17 @@ def pad_micro_steps(steps: List[Any]) -> List[Any]:
     return steps + [filler] * (int(n) - len(steps))
 
 
+def agree_on_stop(stop: Any) -> None:
+    """A stop signal any rank received (``stop.signum``) becomes every rank's, so that all of
+    them leave the loop after the same step and save together."""
+    if world_size() == 1:
+        return
+    signum = torch.tensor(stop.signum or 0)
+    dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+    if int(signum) and not stop:
+        stop.signum = int(signum)
+
+
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()
