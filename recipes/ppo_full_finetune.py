@@ -44,13 +44,13 @@ from torchtune_ppo.generation import Generator
 from torchtune_ppo.guards import SkippedSteps
 from torchtune_ppo.interrupt import stop_on_signals
 from torchtune_ppo.loss_step import packed_ppo_loss_step
-from torchtune_ppo.memory import memory_plan
+from torchtune_ppo.memory import check_plan
 from torchtune_ppo.metrics import PhaseTimer, step_metrics
 from torchtune_ppo.optim import InBackwardOptimizer
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.trajectory import ModelReward, Trajectory
-from torchtune_ppo.watch import log_samples, run_summary, sample_rows
+from torchtune_ppo.watch import log_samples, progress, run_summary, sample_rows
 
 log = utils.get_logger("INFO")
 
@@ -89,7 +89,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._ppo_epochs = cfg.ppo_epochs
         self._ppo_batch_size = cfg.ppo_batch_size
         self._grad_accum = cfg.gradient_accumulation_steps
-        self._check_world_size(cfg)
+        distributed.check_world_size(cfg, self._world_size)
         # This rank's share of the global batch_size and ppo_batch_size.
         self._rank_batch_size = self._batch_size // self._world_size
         self._rank_ppo_batch_size = self._ppo_batch_size // self._world_size
@@ -115,22 +115,6 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._pending_rng_state = None  # restored once the data iterator is back in place
         self._last_saved_step = None
 
-    def _check_world_size(self, cfg: DictConfig) -> None:
-        w = self._world_size
-        if w == 1:
-            return
-        for key in ("batch_size", "forward_batch_size", "ppo_batch_size"):
-            if cfg[key] % w:
-                raise ValueError(f"{key}={cfg[key]} is the global number of prompts per step, "
-                                 f"split over {w} processes: it must be a multiple of {w}.")
-        if (cfg.ppo_batch_size // w) % self._grad_accum:
-            raise ValueError(f"ppo_batch_size={cfg.ppo_batch_size} over {w} processes gives "
-                             f"{cfg.ppo_batch_size // w} rows per rank, not a multiple of "
-                             f"gradient_accumulation_steps={self._grad_accum}.")
-        if cfg.optimizer_in_bwd:
-            raise ValueError("optimizer_in_bwd=True runs on one process only; set it to False "
-                             f"to run on {w} processes.")
-
     def setup(self, cfg: DictConfig) -> None:
         # First, before anything is written to output_dir: a fresh run must not overwrite one.
         resume_from = checkpointing.checkpoint_to_resume(self._output_dir, cfg.resume_from_checkpoint)
@@ -142,7 +126,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._stop_token_ids = torch.tensor(list(cfg.stop_token_ids), device=self._device)
         # Every prompt is read and checked before any weights load.
         self._sampler, self._dataloader = self._setup_data(cfg)
-        self._check_memory(cfg)
+        check_plan(cfg, self._prompt_len, log)
         reward_model = self._setup_models(cfg, resume_from)
         self._optimizer_in_bwd = cfg.optimizer_in_bwd
         self._optimizer = (
@@ -273,20 +257,6 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             model.eval()
             model.requires_grad_(False)
         return model
-
-    def _check_memory(self, cfg: DictConfig) -> None:
-        plan = memory_plan(cfg, prompt_len=self._prompt_len)
-        log.info(plan.table())
-        advice = ("lower forward_batch_size or ppo_batch_size (with gradient_accumulation_steps), "
-                  "or set enable_activation_checkpointing=True, optimizer_in_bwd=True or dtype=bf16")
-        if not plan.fits:  # parameters, gradients, optimizer state and KV cache alone
-            raise RuntimeError(
-                f"the memory plan above needs {plan.exact / 2**30:.1f} GiB before activations but "
-                f"{plan.device} has {plan.available / 2**30:.1f} GiB free: {advice}."
-            )
-        if not plan.fits_estimate:
-            log.warning(f"the activation estimate brings the plan above the free memory; {advice} "
-                        "if the run runs out of memory.")
 
     def _setup_lr_scheduler(self, cfg_scheduler: Optional[DictConfig]):
         if cfg_scheduler is None:
@@ -571,13 +541,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         if self.steps_run % self._log_every_n_steps == 0:
             self._metric_logger.log_dict(metrics, step=self.steps_run)
         pbar.update(1)
-        pbar.set_postfix(
-            reward=f"{metrics['scores']:.3f}",
-            kl=f"{metrics['kl']:.3f}",
-            gen=f"{metrics['time/generate']:.2f}s",
-            score=f"{metrics.get('time/score', 0.0):.2f}s",
-            ppo=f"{metrics.get('time/loss_step', 0.0) + metrics.get('time/optimizer', 0.0):.2f}s",
-        )
+        pbar.set_postfix(progress(metrics))
 
     def save_checkpoint(self, step: int) -> None:
         """Write ``<output_dir>/checkpoints/step_<step>``: policy and value in HF format and the
