@@ -1,6 +1,23 @@
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torchtune.models.llama2._component_builders import llama2, llama2_classifier
+
+ROOT = Path(__file__).parents[1]
+TINY_CONFIG = ROOT / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
+TUNE = [sys.executable, "-m", "torchtune._cli.tune"]  # `tune`, in this interpreter
+# The tiny task at test size: 8 prompts a step in 2 generation chunks; 2 PPO epochs of 2
+# minibatches of 2 micro-batches each.
+SMALL = [
+    "batch_size=8",
+    "forward_batch_size=4",
+    "ppo_batch_size=4",
+    "gradient_accumulation_steps=2",
+    "ppo_epochs=2",
+    "max_generated_tokens=12",
+]
 
 VOCAB = 64
 PAD_ID = 0

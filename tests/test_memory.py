@@ -2,7 +2,6 @@
 
 from pathlib import Path
 
-import pytest
 from omegaconf import OmegaConf
 
 import torchtune_ppo  # noqa: F401  registers the config resolvers

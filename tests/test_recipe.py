@@ -14,17 +14,8 @@ import torchtune_ppo
 from torchtune_ppo.tasks.tiny_sentiment import tiny_policy
 from torchtune_ppo.logs import read_disk_log
 
-ROOT = Path(__file__).parents[1]
-CONFIG = ROOT / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
-TUNE = [sys.executable, "-m", "torchtune._cli.tune"]
-SMALL = [
-    "batch_size=8",
-    "forward_batch_size=4",
-    "ppo_batch_size=4",
-    "gradient_accumulation_steps=2",
-    "ppo_epochs=2",
-    "max_generated_tokens=12",
-]
+from conftest import ROOT, SMALL, TUNE
+from conftest import TINY_CONFIG as CONFIG
 
 
 def run_recipe(output_dir: Path, *overrides: str, cwd: Path = ROOT, recipe: str = "ppo_full_finetune"):

@@ -20,7 +20,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,19 +35,9 @@ from torchtune_ppo.config import validate_config
 from torchtune_ppo.logs import read_disk_log
 from torchtune_ppo.tasks.tiny_sentiment import POLICY_DIMS, REWARD_DIMS
 
-ROOT = Path(__file__).parents[1]
-CONFIG = ROOT / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
-TUNE = [sys.executable, "-m", "torchtune._cli.tune"]
-# 8 prompts a step in 2 generation chunks; 2 PPO epochs of 2 minibatches (2 micro-batches
-# each): 4 optimizer updates a step.
-SHAPE = [
-    "batch_size=8",
-    "forward_batch_size=4",
-    "ppo_batch_size=4",
-    "gradient_accumulation_steps=2",
-    "ppo_epochs=2",
-    "max_generated_tokens=12",
-]
+from conftest import ROOT, TUNE
+from conftest import SMALL as SHAPE  # 4 optimizer updates a step
+from conftest import TINY_CONFIG as CONFIG
 # Keep every checkpoint so runs can be compared at each saved step.
 SAVE_EVERY_2 = ["save_every_n_steps=2", "keep_last_n_checkpoints=null"]
 CRASH_ENV = "TORCHTUNE_PPO_CRASH_DURING_SAVE"

@@ -82,7 +82,6 @@ class _Decoder:
 
 @torch.no_grad()
 def test_function_reward_drives_the_trajectory_as_a_reward_model_would():
-    from torchtune_ppo import rlhf
     from torchtune_ppo.rewards import FunctionReward
     from torchtune_ppo.rollout import Rollout
 

@@ -12,7 +12,7 @@ allocator's fragmentation and the compile workspace come on top.
 
 import argparse
 import sys
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, NamedTuple, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
