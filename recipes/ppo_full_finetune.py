@@ -13,7 +13,6 @@ One PPO step reads as:
                    ─ ppo_epochs × minibatches × grad-accumulation: loss step, backward, optimizer
 """
 
-import dataclasses
 import sys
 from functools import partial
 from itertools import chain
@@ -46,7 +45,7 @@ from torchtune_ppo.interrupt import stop_on_signals
 from torchtune_ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.memory import check_plan
 from torchtune_ppo.metrics import PhaseTimer, step_metrics
-from torchtune_ppo.optim import InBackwardOptimizer
+from torchtune_ppo.optim import InBackwardOptimizer, build_optimizer
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.trajectory import ModelReward, Trajectory
@@ -75,13 +74,6 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         # Each rank samples its own prompts' responses from its own stream.
         self._rng = torch.Generator(self._device).manual_seed(self.seed + distributed.rank())
         self._compile = parse_compile(cfg.compile)
-        if self._world_size > 1 and (self._compile.generate or self._compile.trajectory or self._compile.rollout):
-            # Their regions are compiled whole (fullgraph), which FSDP2's hooks on the sharded
-            # policy and value model would break; only the loss step compiles under FSDP.
-            if self._is_rank_zero:
-                log.warning(f"compile.generate, compile.trajectory and compile.rollout run eager on "
-                            f"{self._world_size} processes; compile.loss_step={self._compile.loss_step}.")
-            self._compile = dataclasses.replace(self._compile, generate=False, trajectory=False, rollout=False)
         self._output_dir = cfg.output_dir
         self._num_steps = cfg.num_ppo_steps
         self._batch_size = cfg.batch_size
@@ -132,15 +124,20 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._optimizer = (
             InBackwardOptimizer(cfg.optimizer, {"policy": self._policy_model, "value": self._value_model})
             if self._optimizer_in_bwd
-            else config.instantiate(
-                cfg.optimizer, chain(self._policy_model.parameters(), self._value_model.parameters())
-            )
+            else build_optimizer(cfg.optimizer, chain(self._policy_model.parameters(),
+                                                      self._value_model.parameters()))
         )
         self._lr_scheduler = self._setup_lr_scheduler(cfg.lr_scheduler)
         self._profiler = training.setup_torch_profiler(enabled=False)[0] if cfg.profiler is None \
             else config.instantiate(cfg.profiler)[0]
         self._epsilon, self._value_clip_range, self._value_coeff = self._setup_loss(cfg.loss)
         self._rollout = self._setup_rollout(cfg, reward_model)
+        # Under FSDP generation runs on the whole policy, gathered once per step; compiled
+        # scoring (one graph, no FSDP hooks inside) on whole scoring models too. Eager scoring
+        # gathers them layer by layer; what stays gathered after is freed after the rollout.
+        self._scoring_models = [m for m in (self._ref_policy_model, self._value_model, reward_model) if m is not None]
+        compiled_scoring = self._compile.trajectory or self._compile.rollout
+        self._rollout_models = [self._policy_model, *(self._scoring_models if compiled_scoring else [])]
         # FSDP2's hooks run outside dynamo: under FSDP the region breaks its graph at each
         # sharded module's forward (the pieces between are compiled).
         self._ppo_loss_step = maybe_compile(packed_ppo_loss_step, enabled=self._compile.loss_step,
@@ -251,11 +248,11 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
-        if trainable and self._world_size > 1:
-            distributed.shard(model)  # the frozen models stay whole on every rank
         if not trainable:
             model.eval()
             model.requires_grad_(False)
+        if self._world_size > 1 and (trainable or cfg.shard_frozen_models):
+            distributed.shard(model)  # else the frozen models stay whole on every rank
         return model
 
     def _setup_lr_scheduler(self, cfg_scheduler: Optional[DictConfig]):
@@ -418,9 +415,9 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         """
         timer = PhaseTimer(self._device)
         with timer("step"):
-            with distributed.gathered_for_generation(self._policy_model):
+            with distributed.gathered(*self._rollout_models):
                 trajectory = self._rollout(prompts, prompt_lens, self._rng, timer, references)
-            distributed.reshard(self._value_model)  # gathered by the no-grad scoring forward
+            distributed.reshard(*self._scoring_models)  # what eager scoring's forwards left gathered
             bad_rows = int(distributed.all_reduce_sum((~trajectory.scores.isfinite()).sum()))
             if bad_rows:
                 log.warning(f"step {self.steps_run + 1}: the reward is not finite in {bad_rows} of "
