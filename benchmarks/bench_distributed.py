@@ -71,7 +71,7 @@ def worker(repeats: int) -> None:
     lens = torch.full((batch,), prompt_len)
 
     def gathered_once():
-        with distributed.gathered_for_generation(policy):
+        with distributed.gathered(policy):
             gen.generate(prompts, lens)
 
     def per_forward():
@@ -79,7 +79,7 @@ def worker(repeats: int) -> None:
         distributed.reshard(policy)
 
     def gather_only():
-        with distributed.gathered_for_generation(policy):
+        with distributed.gathered(policy):
             pass
 
     result = {}

@@ -370,6 +370,13 @@ def test_torchtune_only_keys_are_mapped_or_checked():
         validate_config(_cfg(whiten_rewards="sometimes"))
 
 
+def test_shard_frozen_models_is_an_optional_bool():
+    assert validate_config(_cfg()).shard_frozen_models is False  # default: whole on every rank
+    assert validate_config(_cfg(shard_frozen_models=True)).shard_frozen_models is True
+    with pytest.raises(ValueError, match="shard_frozen_models must be true or false, got 'always'"):
+        validate_config(_cfg(shard_frozen_models="always"))
+
+
 def test_cpu_threads_auto_leaves_a_core_free(monkeypatch):
     import os
 

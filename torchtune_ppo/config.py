@@ -105,6 +105,10 @@ OPTIONAL_KEYS = {
     # One optimizer per parameter, stepped during backward: no full set of gradients is ever
     # held (how torchtune fits 7B on one GPU). Needs gradient_accumulation_steps=1.
     "optimizer_in_bwd": False,
+    # On several processes (torchrun): shard the frozen reference policy and reward model with
+    # FSDP2 like the trained models (1/W of their weights per rank, gathered layer by layer
+    # for their no-grad forwards) instead of a whole copy on every rank. No effect on 1 process.
+    "shard_frozen_models": False,
     # torchtune's learning-rate schedulers, e.g. torchtune.training.lr_schedulers.
     # get_cosine_schedule_with_warmup with num_warmup_steps; the recipe passes the optimizer
     # and num_training_steps (optimizer steps of the whole run). null: constant lr.
@@ -126,6 +130,7 @@ LONG_PROMPTS = ("truncate", "error")
 BOOL_KEYS = (
     "whiten_rewards",
     "optimizer_in_bwd",
+    "shard_frozen_models",
     "shuffle",
     "penalise_no_eos",
     "enable_activation_checkpointing",

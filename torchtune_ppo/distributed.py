@@ -115,35 +115,63 @@ def _fsdp_modules(model: nn.Module) -> List[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def reshard(model: nn.Module) -> None:
+def reshard(*models: nn.Module) -> None:
     """Frees the gathered parameters a no-grad forward left behind (FSDP2 keeps the root's
     gathered after forward, expecting a backward); a no-op on a plain module."""
-    for m in _fsdp_modules(model):
-        m.reshard()
+    for model in models:
+        for m in _fsdp_modules(model):
+            m.reshard()
 
 
 @contextlib.contextmanager
-def gathered_for_generation(model: nn.Module) -> Iterator[None]:
-    """Every layer's parameters gathered once for a whole generate call, then freed.
+def gathered(*models: nn.Module) -> Iterator[None]:
+    """Every sharded model's parameters gathered once for the block, then freed; FSDP2's
+    forward hooks set aside meanwhile. For no-grad forwards only (generation, scoring).
 
-    Without this each decode step would all-gather every layer again (``T`` gathers per call).
-    The gathered weights cost the full model's size for the duration of generation, the same
-    as a gathered copy would, without a copy. A no-op on a plain module.
+    Inside, each model is a plain module holding whole parameters: its forwards gather nothing
+    (without this, generation would all-gather every layer at each of its ``T`` decode steps),
+    and ``torch.compile(fullgraph=True)`` can trace it (FSDP2's hooks are ``dynamo.disable``d,
+    a graph break). With the parameters already gathered and no gradient to arrange, those hooks
+    would do nothing anyway. The gathered weights cost each model's full size for the duration.
+    A no-op on plain modules.
     """
-    fsdp = _fsdp_modules(model)
-    # The root never reshards after forward (see shard).
-    layers = [m for m in fsdp if m is not model]
+    fsdp = [m for model in models for m in _fsdp_modules(model)]
     for m in fsdp:
         m.unshard()
-    for m in layers:
-        m.set_reshard_after_forward(False, recurse=False)
+    restore = [_set_aside_forward_hooks(m) for m in fsdp]
     try:
         yield
     finally:
-        for m in layers:
-            m.set_reshard_after_forward(True, recurse=False)
+        for put_back in restore:
+            put_back()
         for m in fsdp:
             m.reshard()
+
+
+def _set_aside_forward_hooks(module: FSDPModule):
+    """Removes FSDP2's forward pre- and post-hook of ``module``; returns what puts them back
+    where they were (FSDP2 puts its pre-hook first)."""
+    state = module._get_fsdp_state()
+    put_back = []
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        order = list(hooks)
+        ours = {k: h for k, h in hooks.items() if getattr(h, "__self__", None) is state}
+        if not ours:
+            raise RuntimeError(f"FSDP2's forward hooks were not found on {type(module).__name__} "
+                               f"(torch {torch.__version__}); generation and scoring need them "
+                               "set aside while the parameters are gathered.")
+        for k in ours:
+            del hooks[k]
+        put_back.append((hooks, order, ours))
+
+    def restore() -> None:
+        for hooks, order, ours in put_back:
+            hooks.update(ours)
+            for k in order:
+                if k in hooks:
+                    hooks.move_to_end(k)
+
+    return restore
 
 
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
