@@ -28,13 +28,19 @@ OVERRIDES = [
 ]
 
 
-def _run(output_dir: Path, nproc: int, *extra: str):
+def _launch(output_dir: Path, nproc: int, *extra: str, timeout: int = 150) -> str:
+    """Runs the recipe; returns its console output."""
     launch = ["run"] if nproc == 1 else ["run", "--nproc_per_node", str(nproc)]
     cmd = [*TUNE, *launch, "ppo_full_finetune", "--config", str(CONFIG),
            f"output_dir={output_dir}", *OVERRIDES, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150, env=env)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout + proc.stderr
+
+
+def _run(output_dir: Path, nproc: int, *extra: str, timeout: int = 150):
+    _launch(output_dir, nproc, *extra, timeout=timeout)
     return read_disk_log(output_dir / "logs")
 
 
@@ -102,11 +108,18 @@ def test_two_processes_match_one(one_process, tmp_path):
         assert rows[0][key] == pytest.approx(one[2][key], rel=1e-3, abs=1e-5), (key, one[2], rows[0])
 
 
-def test_compiled_loss_step_under_fsdp_matches_one_eager_process(one_process, tmp_path):
-    # compile=True: the loss step compiles (with graph breaks at FSDP2's hooks), generation
-    # and scoring run eager on several processes; nothing recompiles after step 1.
+def test_compiled_run_with_sharded_frozen_models_matches_one_eager_process(one_process, tmp_path):
+    # compile=True on 2 processes: generation (prefill and decode step, fullgraph, on the whole
+    # policy gathered once per step with FSDP2's hooks set aside), scoring (one graph over the
+    # gathered value, reference and reward models) and the loss step (graph breaks at FSDP2's
+    # hooks). The frozen models are sharded too. Nothing recompiles after step 1, and the numbers
+    # are the 1-process eager run's with its whole frozen models. Compiling costs 1-3 minutes
+    # with a cold inductor cache on 2 CPU cores, hence the longer timeout.
     _, one = one_process
-    two = _run(tmp_path / "two", 2, "compile=True", "num_ppo_steps=2", "save_every_n_steps=null")
+    out = _launch(tmp_path / "two", 2, "compile=True", "shard_frozen_models=True", "num_ppo_steps=2",
+                  "save_every_n_steps=null", timeout=480)
+    assert "CompileConfig(generate=True, trajectory=True, loss_step=True, rollout=False" in out
+    two = read_disk_log(tmp_path / "two/logs")
     assert len(two) == 2
     _assert_rows_match(one[:2], two)
 
@@ -114,10 +127,11 @@ def test_compiled_loss_step_under_fsdp_matches_one_eager_process(one_process, tm
 def test_sampled_run_with_accumulation_keeps_ranks_in_step(tmp_path):
     # Sampling and shorter minibatches: each rank packs its own rows into as many micro-steps as
     # their lengths need; the ranks must still run the same number of FSDP passes (a mismatch
-    # hangs until the timeout).
+    # hangs until the timeout). The frozen models are sharded here: their eager scoring
+    # forwards gather layer by layer, as the value model's do.
     rows = _run(tmp_path / "two", 2, "top_k=null", "batch_size=16", "forward_batch_size=8",
                 "ppo_batch_size=8", "gradient_accumulation_steps=2", "max_generated_tokens=12",
-                "num_ppo_steps=2", "save_every_n_steps=null")
+                "num_ppo_steps=2", "save_every_n_steps=null", "shard_frozen_models=True")
     assert len(rows) == 2
     for row in rows:
         for key in ("loss", "policy_loss", "value_loss", "kl", "scores", "ratios"):
