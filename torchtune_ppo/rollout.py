@@ -4,10 +4,18 @@
 
 - split (default): :meth:`Generator.generate` (compiled prefill + decode step, early stop),
   then, for a function reward, the function on the decoded texts (eager, phase "reward"), then
-  :func:`score_trajectory` (one compiled region when ``compile.trajectory`` is on);
+  the scoring (one compiled region when ``compile.trajectory`` is on). The scoring runs on
+  real tokens only (:func:`~torchtune_ppo.packed_score_trajectory`): each
+  chunk's prompt lengths and valid response lengths are read to the host in one sync (the
+  generation has synced already), its sequences packed into rows, and the results gathered
+  back into the padded :class:`Trajectory`. That covers a reward model wrapped in
+  :class:`~torchtune_ppo.trajectory.ModelReward` and a function reward; any other
+  :data:`RewardFn` callable sees padded rows, so it is scored by the padded
+  :func:`score_trajectory`, as is everything when ``packed_scoring`` is off;
 - fused (``compile.rollout``): :func:`fused_rollout`, the generation unrolled into
-  straight-line code by :func:`generate_unrolled` and the scoring, as one compiled region
-  (the RFC's option 2). No early stop: every row runs all ``T`` steps.
+  straight-line code by :func:`generate_unrolled` and the padded scoring, as one compiled
+  region (the RFC's option 2). No early stop: every row runs all ``T`` steps; no packing
+  either, which needs the lengths on the host, mid-region.
 """
 
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -18,8 +26,11 @@ from torch import nn
 from torchtune_ppo import rlhf
 from torchtune_ppo._compile import maybe_compile
 from torchtune_ppo.generation import Generator, generate_next_token, prefill
+from torchtune_ppo.packed_scoring import (
+    PackedScoring, mark_dynamic, packed_score_trajectory, plan_scoring, scoring_chunks,
+)
 from torchtune_ppo.rewards import FunctionReward
-from torchtune_ppo.trajectory import RewardFn, Trajectory, score_trajectory
+from torchtune_ppo.trajectory import ModelReward, RewardFn, Trajectory, score_trajectory
 
 
 def generate_unrolled(
@@ -102,8 +113,12 @@ class Rollout:
         penalise_no_eos (bool): see :func:`score_trajectory`.
         min_response_length (Optional[int]): see :func:`score_trajectory`.
         reward_penalty (float): see :func:`score_trajectory`.
-        compile_trajectory (bool): compile :func:`score_trajectory` (split implementation).
+        compile_trajectory (bool): compile the scoring (split implementation): packed, one
+            graph dynamic in the packed rows and reads; padded, one static graph.
         fused (bool): use :func:`fused_rollout`, compiled as one region.
+        packed_scoring (bool): score on packed real tokens (split implementation, with a
+            :class:`~torchtune_ppo.trajectory.ModelReward` or a function reward); False: the
+            padded :func:`score_trajectory`, the reference the packed scoring is tested against.
     """
 
     def __init__(
@@ -120,6 +135,7 @@ class Rollout:
         reward_penalty: float,
         compile_trajectory: bool,
         fused: bool,
+        packed_scoring: bool = True,
     ) -> None:
         if fused and isinstance(reward_fn, FunctionReward):
             raise ValueError("compile.rollout traces the reward into one region with generation; "
@@ -131,7 +147,15 @@ class Rollout:
         self.pad_id, self.penalise_no_eos = pad_id, penalise_no_eos
         self.min_response_length, self.reward_penalty = min_response_length, float(reward_penalty)
         self.fused = fused
-        self._score = maybe_compile(score_trajectory, enabled=compile_trajectory)
+        self.compile_trajectory = compile_trajectory
+        # Packed when the reward reads only each row's last valid token (a classifier), or
+        # comes from outside; a custom RewardFn is handed padded rows.
+        self.packed = packed_scoring and not fused and isinstance(reward_fn, (ModelReward, FunctionReward))
+        if self.packed:
+            self._num_chunks = scoring_chunks(generator.batch_size, generator.max_generated_tokens)
+            self._score = maybe_compile(packed_score_trajectory, enabled=compile_trajectory)
+        else:
+            self._score = maybe_compile(score_trajectory, enabled=compile_trajectory)
         self._fused = maybe_compile(fused_rollout, enabled=fused)
 
     def __call__(
@@ -161,8 +185,13 @@ class Rollout:
                 with timer("reward"):
                     scores = self._function_scores(outputs, prompt_lens, references)
             with timer("score"), torch.no_grad():
-                trajectories = [self._score_chunk(out.query_responses, lens, out.logprobs, chunk_scores)
-                                for out, (_, lens), chunk_scores in zip(outputs, chunks, scores)]
+                if self.packed:
+                    plans = self._plans(outputs, [lens for _, lens in chunks])
+                    trajectories = [self._score_packed(out.query_responses, lens, out.logprobs, chunk_scores, plan)
+                                    for out, (_, lens), chunk_scores, plan in zip(outputs, chunks, scores, plans)]
+                else:
+                    trajectories = [self._score_chunk(out.query_responses, lens, out.logprobs, chunk_scores)
+                                    for out, (_, lens), chunk_scores in zip(outputs, chunks, scores)]
         return Trajectory(*map(torch.cat, zip(*trajectories)))
 
     def _function_scores(self, outputs, prompt_lens: torch.Tensor,
@@ -202,6 +231,51 @@ class Rollout:
             scores=scores,
         )
 
+    def _plans(self, outputs, prompt_lens: List[torch.Tensor]) -> List[PackedScoring]:
+        """Each chunk's packing, from its prompt lengths and valid response lengths (one sync)."""
+        P, T = self.generator.max_prompt_len, self.generator.max_generated_tokens
+        device = outputs[0].query_responses.device
+        lengths = []
+        for out, lens in zip(outputs, prompt_lens):
+            padding, _ = rlhf.truncate_after_stop_token(
+                out.query_responses[:, P:], self.stop_token_ids, self.pad_id
+            )
+            lengths.append(torch.stack([lens.to(device), (~padding).sum(-1)]))
+        host = torch.cat(lengths, dim=1).tolist()  # [2, rows of every chunk]
+        plans, start = [], 0
+        for lens in prompt_lens:
+            end = start + len(lens)
+            plan = plan_scoring(
+                host[0][start:end], host[1][start:end], prompt_len=P, response_len=T,
+                num_chunks=self._num_chunks, device=device,
+            )
+            plans.append(mark_dynamic(plan) if self.compile_trajectory else plan)
+            start = end
+        return plans
+
+    def _score_packed(self, query_responses: torch.Tensor, prompt_lens: torch.Tensor,
+                      logprobs: torch.Tensor, scores: Optional[torch.Tensor],
+                      plan: PackedScoring) -> Trajectory:
+        reward_model = self.reward_fn.model if isinstance(self.reward_fn, ModelReward) else None
+        return self._score(
+            query_responses,
+            prompt_lens.to(query_responses.device),
+            logprobs,
+            None,
+            self.ref_policy_model,
+            self.value_model,
+            reward_model,
+            self.stop_token_ids,
+            *plan,
+            prompt_len=self.generator.max_prompt_len,
+            pad_id=self.pad_id,
+            temperature=self.generator.sampling["temperature"],
+            penalise_no_eos=self.penalise_no_eos,
+            min_response_length=self.min_response_length,
+            reward_penalty=self.reward_penalty,
+            scores=scores,
+        )
+
     def _fused_chunk(self, prompts: torch.Tensor, prompt_lens: torch.Tensor,
                      rng: Optional[torch.Generator]) -> Trajectory:
         gen = self.generator
@@ -223,3 +297,4 @@ class Rollout:
                 min_response_length=self.min_response_length,
                 reward_penalty=self.reward_penalty,
             )
+

@@ -143,16 +143,10 @@ def score_trajectory(
     Returns:
         Trajectory: the scored batch.
     """
-    prompts, responses = query_responses[:, :prompt_len], query_responses[:, prompt_len:]
-    masks, position_ids = masks_and_positions(prompt_lens, prompt_len, responses.shape[1])
-
-    # step 4 first: truncate after the first stop token, so every later step sees the final tokens
-    response_padding_masks, responses = rlhf.truncate_after_stop_token(
-        responses, stop_token_ids, pad_id
+    query_responses, response_padding_masks, masks, position_ids = truncated(
+        query_responses, prompt_lens, stop_token_ids, prompt_len=prompt_len, pad_id=pad_id
     )
-    query_responses = torch.cat([prompts, responses], dim=1)
-    valid = ~response_padding_masks
-    seq_lens = valid.sum(-1)
+    responses = query_responses[:, prompt_len:]
 
     # step 2: policy and reference logprobs of the responses
     if logprobs is None:
@@ -166,20 +160,67 @@ def score_trajectory(
         value_model(query_responses, mask=masks, input_pos=position_ids), prompt_len
     )
 
-    # step 5: score the truncated pairs at each row's last valid token, then penalties
+    # step 5: score the truncated pairs at each row's last valid token
     if reward_fn is not None:
+        seq_lens = (~response_padding_masks).sum(-1)
         scores = reward_fn(query_responses, masks, position_ids, prompt_len + seq_lens - 1)
+    return finish_trajectory(
+        query_responses, response_padding_masks, masks, position_ids, logprobs, ref_logprobs,
+        values, scores, stop_token_ids, penalise_no_eos=penalise_no_eos,
+        min_response_length=min_response_length, reward_penalty=reward_penalty,
+    )
+
+
+def truncated(
+    query_responses: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    stop_token_ids: torch.Tensor,
+    *,
+    prompt_len: int,
+    pad_id: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 4, first, so every later step sees the final tokens: each response truncated after
+    its first stop token. Returns the truncated ``query_responses [b, P + T]``, the
+    ``response_padding_masks [b, T]``, and the padded rows' attention masks and position ids
+    (:func:`masks_and_positions`)."""
+    prompts, responses = query_responses[:, :prompt_len], query_responses[:, prompt_len:]
+    masks, position_ids = masks_and_positions(prompt_lens, prompt_len, responses.shape[1])
+    response_padding_masks, responses = rlhf.truncate_after_stop_token(
+        responses, stop_token_ids, pad_id
+    )
+    return torch.cat([prompts, responses], dim=1), response_padding_masks, masks, position_ids
+
+
+def finish_trajectory(
+    query_responses: torch.Tensor,
+    response_padding_masks: torch.Tensor,
+    masks: torch.Tensor,
+    position_ids: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    stop_token_ids: torch.Tensor,
+    *,
+    penalise_no_eos: bool,
+    min_response_length: Optional[int],
+    reward_penalty: float,
+) -> Trajectory:
+    """Steps 5 (penalties) and 6 (everything past the last valid token zeroed): the
+    :class:`Trajectory` from truncated rows (:func:`truncated`), ``[b, T]`` logprobs, reference
+    logprobs and values, and the reward's ``[b]`` scores."""
+    prompt_len = query_responses.shape[1] - response_padding_masks.shape[1]
+    valid = ~response_padding_masks
+    seq_lens = valid.sum(-1)
     penalty = rlhf.get_reward_penalty_mask(
         response_padding_masks,
         seq_lens,
         stop_token_ids,
-        responses,
+        query_responses[:, prompt_len:],
         penalise_no_eos,
         min_response_length,
     )
     scores = torch.where(penalty, torch.full_like(scores, reward_penalty), scores)
-
-    # step 6: zero everything past the last valid token
     return Trajectory(
         query_responses=query_responses,
         logprobs=logprobs.float() * valid,

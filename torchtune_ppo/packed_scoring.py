@@ -1,0 +1,252 @@
+"""Steps 2-6 on real tokens only: the scoring forwards on packed rows.
+
+:func:`~torchtune_ppo.trajectory.score_trajectory` runs the reference policy, the value model
+and the reward model on padded ``[b, P + T]`` rows: left-padded prompts, responses padded after
+the stop token. Real tokens are often a third of those positions. Here each row's real tokens
+(its prompt's, then its response up to and including its last valid token) are packed whole,
+first-fit decreasing, into at most ``b`` rows of ``P + T`` slots, as the loss step packs its
+micro-steps (:mod:`torchtune_ppo.packing`): block-diagonal causal masks, positions from 0 per
+sequence, outputs projected only where read.
+
+:func:`plan_scoring` places the sequences on the host from each row's prompt length and valid
+response length (read in one sync after generation). :func:`packed_score_trajectory` is the
+region, compiled as one graph when ``compile.trajectory`` is on: it truncates, builds the
+packed tokens by a gather, runs the models, and gathers their outputs back into the ``[b, T]``
+and ``[b]`` tensors of the padded :class:`~torchtune_ppo.trajectory.Trajectory`, which it
+returns with the same fields and meanings (padded masks and position ids included). The rows
+``R`` and the chunk length ``K`` of the reads change with the length mix; :func:`mark_dynamic`
+marks them so the compiled region keeps one graph for every mix.
+
+Reads: response token ``j`` of a sequence is predicted by the output at the slot before it,
+which is also the state whose value is read; the reward is read at the sequence's last valid
+token. Reads are laid out as ``C`` chunks of ``K``, one output projection per chunk, so the
+largest float32 tensor is ``[K, V]``.
+"""
+
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from torchtune_ppo._torchtune_patches import final_hidden_states
+from torchtune_ppo.packing import _to_device, block_causal_masks
+from torchtune_ppo.trajectory import Trajectory, finish_trajectory, truncated
+
+# No packed dimension has size 1 (or 0): the compiled region would specialise on it.
+MIN_SIZE = 2
+
+
+class PackedScoring(NamedTuple):
+    """Where each real token and each read sits in the packed rows, for one scoring chunk.
+
+    ``R`` rows of ``L = P + T`` slots; ``C * K`` reads in ``C`` chunks of ``K``. Unused slots
+    are one-token segments at position 0 holding row 0's first token; unused reads point at
+    slot 0 and are never gathered back.
+
+    Attributes:
+        token_src (torch.Tensor): ``[R, L]`` flat index into the ``[b, P + T]`` trajectory rows.
+        segment_ids (torch.Tensor): ``[R, L]``, equal within a sequence, unique otherwise.
+        position_ids (torch.Tensor): ``[R, L]``, from 0 within each sequence.
+        read_positions (torch.Tensor): ``[C, K]`` flat slot in ``R * L`` whose output predicts
+            a response token (and holds the value of the state before it).
+        read_targets (torch.Tensor): ``[C, K]`` flat index into the ``[b, T]`` responses, the
+            token each read predicts.
+        read_index (torch.Tensor): ``[b, T]`` flat index into the ``C * K`` reads for each
+            response position (0 where the position is not valid).
+        last_positions (torch.Tensor): ``[b]`` flat slot of each row's last valid token.
+    """
+
+    token_src: torch.Tensor
+    segment_ids: torch.Tensor
+    position_ids: torch.Tensor
+    read_positions: torch.Tensor
+    read_targets: torch.Tensor
+    read_index: torch.Tensor
+    last_positions: torch.Tensor
+
+
+def scoring_chunks(batch_size: int, response_len: int, chunk_size: int = 256) -> int:
+    """``C``, the output projections of a scoring region of ``batch_size`` rows: at most
+    ``chunk_size`` reads each, whatever the length mix (fixed for a run, one graph)."""
+    return max(1, -(-batch_size * response_len // chunk_size))
+
+
+def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> Tuple[List[int], int]:
+    """Places items of ``sizes`` whole into bins of ``capacity``, largest first, each into the
+    first bin it fits. Returns each item's first slot (``bin * capacity + offset``) and the
+    number of bins used."""
+    used: List[int] = []
+    starts = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        n = sizes[i]
+        if n > capacity:
+            raise ValueError(f"a sequence of {n} tokens does not fit a row of {capacity}")
+        row = next((r for r, u in enumerate(used) if u + n <= capacity), len(used))
+        if row == len(used):
+            used.append(0)
+        starts[i] = row * capacity + used[row]
+        used[row] += n
+    return starts, len(used)
+
+
+def plan_scoring(
+    prompt_lens: Sequence[int],
+    valid_counts: Sequence[int],
+    *,
+    prompt_len: int,
+    response_len: int,
+    num_chunks: int,
+    device: torch.device,
+) -> PackedScoring:
+    """Packs one scoring chunk's sequences: placement on the host, index tensors on ``device``.
+
+    Args:
+        prompt_lens (Sequence[int]): real prompt tokens of each row (>= 1).
+        valid_counts (Sequence[int]): valid response tokens of each row, stop token included
+            (>= 1: the first response token is always valid).
+        prompt_len (int): ``P``.
+        response_len (int): ``T``.
+        num_chunks (int): ``C``, from :func:`scoring_chunks`.
+        device (torch.device): where the index tensors go.
+
+    Returns:
+        PackedScoring: ``R`` = the rows used (at most ``b``, at least 2), ``K`` = the reads
+        over ``C`` rounded up (at least 2).
+
+    Raises:
+        ValueError: a row has no real prompt token (the config checks reject such data).
+    """
+    s = prompt_len + response_len
+    b = len(prompt_lens)
+    if b and min(prompt_lens) < 1:
+        raise ValueError(f"packed scoring needs at least one real prompt token per row, got {list(prompt_lens)}")
+    counts = [p + v for p, v in zip(prompt_lens, valid_counts)]
+    starts, rows = first_fit_decreasing(counts, s)
+    slots = max(rows, MIN_SIZE) * s
+    k = max(-(-sum(valid_counts) // num_chunks), MIN_SIZE)
+
+    token_src, positions = [0] * slots, [0] * slots
+    segments = list(range(-1, -1 - slots, -1))  # unused slots: a segment of their own
+    read_pos, read_targets = [0] * (num_chunks * k), [0] * (num_chunks * k)
+    read_index = [0] * (b * response_len)
+    last_positions = [0] * b
+    read = 0
+    for i, (p, v, n, slot) in enumerate(zip(prompt_lens, valid_counts, counts, starts)):
+        first = i * s + prompt_len - p  # flat index of the row's first real token
+        token_src[slot : slot + n] = range(first, first + n)
+        positions[slot : slot + n] = range(n)
+        segments[slot : slot + n] = [i] * n
+        # response token j is predicted at the slot before it: slot + p - 1 + j
+        read_pos[read : read + v] = range(slot + p - 1, slot + p - 1 + v)
+        read_targets[read : read + v] = range(i * response_len, i * response_len + v)
+        read_index[i * response_len : i * response_len + v] = range(read, read + v)
+        last_positions[i] = slot + n - 1
+        read += v
+
+    index = _to_device(torch.tensor([token_src, positions, segments]), device).view(3, -1, s)
+    reads = _to_device(torch.tensor([read_pos, read_targets]), device).view(2, num_chunks, k)
+    per_row = _to_device(torch.tensor(read_index + last_positions), device)
+    return PackedScoring(
+        token_src=index[0],
+        segment_ids=index[2],
+        position_ids=index[1],
+        read_positions=reads[0],
+        read_targets=reads[1],
+        read_index=per_row[: b * response_len].view(b, response_len),
+        last_positions=per_row[b * response_len :],
+    )
+
+
+def mark_dynamic(plan: PackedScoring) -> PackedScoring:
+    """Marks the rows ``R`` and the chunk length ``K`` dynamic for ``torch.compile``: one graph,
+    symbolic in both, for every length mix (both are at least 2). Eager code ignores the marks."""
+    for t in plan[:3]:
+        torch._dynamo.mark_dynamic(t, 0)
+    for t in plan[3:5]:
+        torch._dynamo.mark_dynamic(t, 1)
+    return plan
+
+
+def _read_logprobs(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    masks: torch.Tensor,
+    position_ids: torch.Tensor,
+    read_positions: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """Logprobs ``[C, K]`` of ``targets`` at ``read_positions``, one output projection per chunk."""
+    h = final_hidden_states(model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
+    chunks = []
+    for c in range(read_positions.shape[0]):
+        logits = model.output(h.index_select(0, read_positions[c])).float() / temperature  # [K, V]
+        chunks.append(torch.gather(torch.log_softmax(logits, dim=-1), 1, targets[c, :, None])[:, 0])
+    return torch.stack(chunks)
+
+
+def packed_score_trajectory(
+    query_responses: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    logprobs: Optional[torch.Tensor],
+    policy_model: Optional[nn.Module],
+    ref_policy_model: nn.Module,
+    value_model: nn.Module,
+    reward_model: Optional[nn.Module],
+    stop_token_ids: torch.Tensor,
+    token_src: torch.Tensor,
+    segment_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    read_positions: torch.Tensor,
+    read_targets: torch.Tensor,
+    read_index: torch.Tensor,
+    last_positions: torch.Tensor,
+    *,
+    prompt_len: int,
+    pad_id: int,
+    temperature: float,
+    penalise_no_eos: bool,
+    min_response_length: Optional[int],
+    reward_penalty: float,
+    scores: Optional[torch.Tensor] = None,
+) -> Trajectory:
+    """:func:`~torchtune_ppo.trajectory.score_trajectory` with the forwards on packed rows.
+
+    Same arguments and result as ``score_trajectory``, except that the reward comes from
+    ``reward_model``, a classifier with a ``[D, 1]`` output read at each row's last valid token
+    (what :class:`~torchtune_ppo.trajectory.ModelReward` wraps), or, when it is None, from
+    ``scores``; and the fields of a :class:`PackedScoring` from :func:`plan_scoring` (for these
+    rows' prompt lengths and valid response lengths) follow ``stop_token_ids``.
+    """
+    qr, response_padding_masks, masks, padded_positions = truncated(
+        query_responses, prompt_lens, stop_token_ids, prompt_len=prompt_len, pad_id=pad_id
+    )
+    responses = qr[:, prompt_len:]
+    tokens = qr.flatten()[token_src]  # [R, L]
+    packed_masks = block_causal_masks(segment_ids)  # [R, L, L]
+    targets = responses.flatten()[read_targets]  # [C, K]
+
+    def to_rows(reads: torch.Tensor) -> torch.Tensor:  # [C, K] -> [b, T]
+        return reads.flatten()[read_index]
+
+    # step 2: policy and reference logprobs of the responses
+    if logprobs is None:
+        logprobs = to_rows(_read_logprobs(policy_model, tokens, packed_masks, position_ids,
+                                          read_positions, targets, temperature))
+    ref_logprobs = to_rows(_read_logprobs(ref_policy_model, tokens, packed_masks, position_ids,
+                                          read_positions, targets, temperature))
+
+    # step 3: values of the states before each response token
+    h = final_hidden_states(value_model, tokens, mask=packed_masks, input_pos=position_ids).flatten(0, 1)
+    values = to_rows(value_model.output(h[read_positions])[..., 0].float())
+
+    # step 5: the reward model at each row's last valid token
+    if reward_model is not None:
+        h = final_hidden_states(reward_model, tokens, mask=packed_masks, input_pos=position_ids)
+        scores = reward_model.output(h.flatten(0, 1)[last_positions])[:, 0].float()
+
+    return finish_trajectory(
+        qr, response_padding_masks, masks, padded_positions, logprobs, ref_logprobs, values,
+        scores, stop_token_ids, penalise_no_eos=penalise_no_eos,
+        min_response_length=min_response_length, reward_penalty=reward_penalty,
+    )
