@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torchtune import training
 from torchtune.training import FullModelHFCheckpointer
 
+from torchtune_ppo import memory
+from torchtune_ppo.config import validate_config
 from torchtune_ppo.logs import read_disk_log
-from torchtune_ppo.tasks.tiny_sentiment import tiny_policy
+from torchtune_ppo.tasks.tiny_sentiment import tiny_policy, tiny_reward
 
 ROOT = Path(__file__).parents[1]
 CONFIG = ROOT / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
@@ -55,6 +58,22 @@ def _policy(output_dir: Path, tmp_path: Path) -> torch.nn.Module:
     model = tiny_policy()
     model.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY])
     return model
+
+
+def test_memory_plan_per_device_of_several_processes():
+    # No processes needed: the plan of a W-process run, per device.
+    def plan(world_size, *overrides):
+        cfg = validate_config(OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(list(overrides))))
+        return list(memory.memory_plan(cfg, world_size=world_size).rows.values())
+
+    n_policy = sum(p.numel() for p in tiny_policy().parameters())
+    n_value = sum(p.numel() for p in tiny_reward().parameters())
+    one, two = plan(1), plan(2)
+    assert two[0] == (0.5 + 1) * n_policy * 4 and two[1] == (0.5 + 1) * n_value * 4  # trained 1/2, frozen whole
+    assert two[2] == one[2] / 2 and two[3] == one[3] / 2 and two[4] == one[4] / 2  # grads, optimizer, KV cache
+    assert len(one) == 6 and two[6] == n_policy * 4  # the policy gathered for generation
+    sharded = plan(2, "shard_frozen_models=True", "compile=True")
+    assert sharded[0] == n_policy * 4 and sharded[6] == 2 * (n_policy + n_value) * 4  # all gathered to score
 
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")

@@ -3,7 +3,10 @@
 The recipe prints it at start-up and refuses a plan that cannot fit the device; run it alone
 to size a config on a machine without the accelerator:
 
-    python -m torchtune_ppo.memory --config recipes/configs/llama3_2/1B_ppo.yaml [key=value ...]
+    python -m torchtune_ppo.memory --config recipes/configs/llama3_2/1B_ppo.yaml [--nproc W] [key=value ...]
+
+With ``--nproc W`` (the recipe passes its own process count) the plan is per device of a
+``torchrun`` run on ``W`` processes.
 
 The figures are estimates: parameters, gradients, optimizer state and the KV cache are exact
 sizes; activations are a per-layer rule of thumb (stated in :func:`memory_plan`), and the
@@ -18,6 +21,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 
+from torchtune_ppo import distributed
+from torchtune_ppo.config import parse_compile
 from torchtune_ppo.packing import default_rows
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -45,11 +50,12 @@ class MemoryPlan(NamedTuple):
     device: str
 
     def table(self) -> str:
+        width = max(44, *map(len, self.rows))
         lines = [f"Memory plan on {self.device} (estimate):"]
-        lines += [f"  {name:<44} {value / _GIB:8.2f} GiB" for name, value in self.rows.items()]
-        lines.append(f"  {'total':<44} {self.total / _GIB:8.2f} GiB")
+        lines += [f"  {name:<{width}} {value / _GIB:8.2f} GiB" for name, value in self.rows.items()]
+        lines.append(f"  {'total':<{width}} {self.total / _GIB:8.2f} GiB")
         if self.available is not None:
-            lines.append(f"  {'available':<44} {self.available / _GIB:8.2f} GiB")
+            lines.append(f"  {'available':<{width}} {self.available / _GIB:8.2f} GiB")
         return "\n".join(lines)
 
     @property
@@ -95,12 +101,13 @@ def available_bytes(device: str) -> Optional[float]:
     return None
 
 
-def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None) -> MemoryPlan:
-    """Estimates the memory of a run of ``cfg`` (a validated recipe config).
+def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: int = 1) -> MemoryPlan:
+    """Estimates the memory of a run of ``cfg`` (a validated recipe config), per device.
 
     Args:
         cfg (DictConfig): the recipe config, as returned by ``validate_config``.
         prompt_len (Optional[int]): ``P`` when ``max_prompt_len`` is null (the longest prompt).
+        world_size (int): processes of the run (``torchrun``), one device each.
 
     Returns:
         MemoryPlan: the rows below, their total and the device's free memory.
@@ -110,7 +117,14 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None) -> MemoryPlan
     ``forward_batch_size`` rows of ``P + T``; activations of one packed training micro-step,
     taken as ``16 * D`` bytes per token per layer (or ``2 * D`` with activation checkpointing)
     plus the float32 logits kept for backward at the positions read, ``[rows * T, V]``.
+
+    On ``W`` processes each device holds ``1/W`` of the trained models' parameters, gradients
+    and optimizer state, the frozen models whole (``1/W`` with ``shard_frozen_models``), the KV
+    cache and micro-step of its ``1/W`` of the rows, and one more row: the models gathered
+    whole for the rollout (the policy; with compiled scoring also the value model and the
+    sharded frozen models). That row and the gradients never coexist; the total counts both.
     """
+    W = world_size
     dtype_bytes = _DTYPE_BYTES[cfg.dtype]
     policy, value = _meta(cfg.policy_model), _meta(cfg.reward_and_value_model)
     n_policy, n_value = _numel(policy), _numel(value)
@@ -119,7 +133,7 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None) -> MemoryPlan
     optimizer_name = str(cfg.optimizer.get("_component_", "")).rsplit(".", 1)[-1]
     states = _OPTIMIZER_STATES.get(optimizer_name, 2.0)
     biggest = max(p.numel() for p in [*policy.parameters(), *value.parameters()])
-    micro = cfg.ppo_batch_size // cfg.gradient_accumulation_steps
+    micro = cfg.ppo_batch_size // W // cfg.gradient_accumulation_steps
     # The loss step packs a micro-batch's real tokens into rows of P + T - 1 (packing.py).
     rows_per_step = default_rows(micro)
     embed_dim = policy.tok_embeddings.embedding_dim
@@ -127,19 +141,35 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None) -> MemoryPlan
     per_token_layer = (2 if cfg.enable_activation_checkpointing else 16) * embed_dim
     layers = len(policy.layers) + len(value.layers)
     paged = optimizer_name.startswith(_PAGED_PREFIX)
+    frozen = 1 / W if cfg.shard_frozen_models else 1.0  # share of a frozen model per device
+    # 1 process: "(0.16B each)"; W: "(0.16B; policy 1/8, reference whole)"
+    shares = "" if W == 1 else f"; {{}} 1/{W}, {{}} {'1/' + str(W) if frozen < 1 else 'whole'}"
     rows = {
-        f"policy + reference parameters ({n_policy / 1e9:.2f}B each)": 2 * n_policy * dtype_bytes,
-        f"value + reward parameters ({n_value / 1e9:.2f}B each)": 2 * n_value * dtype_bytes,
-        "gradients (policy + value)": (biggest if cfg.optimizer_in_bwd else trained) * dtype_bytes,
+        f"policy + reference parameters ({n_policy / 1e9:.2f}B"
+        f"{shares.format('policy', 'reference') if W > 1 else ' each'})":
+            (1 / W + frozen) * n_policy * dtype_bytes,
+        f"value + reward parameters ({n_value / 1e9:.2f}B"
+        f"{shares.format('value', 'reward') if W > 1 else ' each'})":
+            (1 / W + frozen) * n_value * dtype_bytes,
+        f"gradients (policy + value{'' if W == 1 else f', 1/{W}'})":
+            (biggest if cfg.optimizer_in_bwd else trained / W) * dtype_bytes,
         f"optimizer state ({optimizer_name or 'AdamW'}, {states:g} per parameter"
-        f"{'; paged to host memory, not counted' if paged else ''})":
-            0.0 if paged else trained * states * dtype_bytes,
-        f"KV cache ({cfg.forward_batch_size} rows x {seq_len} tokens)":
-            _kv_bytes(policy, cfg.forward_batch_size, seq_len, dtype_bytes),
+        f"{'' if W == 1 else f', 1/{W}'}{'; paged to host memory, not counted' if paged else ''})":
+            0.0 if paged else trained * states * dtype_bytes / W,
+        f"KV cache ({cfg.forward_batch_size // W} rows x {seq_len} tokens)":
+            _kv_bytes(policy, cfg.forward_batch_size // W, seq_len, dtype_bytes),
         f"activations (micro-step {rows_per_step} packed rows x {seq_len - 1} tokens)":
             rows_per_step * (seq_len - 1) * layers * per_token_layer * dtype_bytes
             + rows_per_step * cfg.max_generated_tokens * vocab * 4,
     }
+    if W > 1:
+        compile_cfg = parse_compile(cfg.compile)
+        gathered, names = n_policy, ["policy"]
+        if compile_cfg.trajectory or compile_cfg.rollout:  # compiled scoring: on whole models
+            gathered, names = gathered + n_value, names + ["value"]
+            if frozen < 1:
+                gathered, names = gathered + n_policy + n_value, names + ["reference", "reward"]
+        rows[f"gathered whole for the rollout ({' + '.join(names)})"] = gathered * dtype_bytes
     device = str(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     activations = next(v for k, v in rows.items() if k.startswith("activations"))
     total = float(sum(rows.values()))
@@ -153,7 +183,7 @@ def check_plan(cfg: DictConfig, prompt_len: int, log) -> MemoryPlan:
         RuntimeError: parameters, gradients, optimizer state and KV cache alone exceed the
             device's free memory.
     """
-    plan = memory_plan(cfg, prompt_len=prompt_len)
+    plan = memory_plan(cfg, prompt_len=prompt_len, world_size=distributed.world_size())
     log.info(plan.table())
     advice = ("lower forward_batch_size or ppo_batch_size (with gradient_accumulation_steps), "
               "or set enable_activation_checkpointing=True, optimizer_in_bwd=True or dtype=bf16")
@@ -171,6 +201,7 @@ def check_plan(cfg: DictConfig, prompt_len: int, log) -> MemoryPlan:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
+    parser.add_argument("--nproc", type=int, default=1, help="processes of a torchrun run (per-device plan)")
     parser.add_argument("overrides", nargs="*", help="key=value, as on the tune command line")
     args = parser.parse_args(argv)
     import torchtune_ppo  # noqa: F401  registers the config resolvers
@@ -179,8 +210,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(list(args.overrides)))
     # Checkpoint files need not exist to plan; only the model builders are read.
     cfg = validate_config(cfg, check_machine=False)
-    plan = memory_plan(cfg, prompt_len=cfg.max_prompt_len or 256)
-    print(plan.table())
+    distributed.check_world_size(cfg, args.nproc)
+    plan = memory_plan(cfg, prompt_len=cfg.max_prompt_len or 256, world_size=args.nproc)
+    print(plan.table() if args.nproc == 1 else plan.table().replace(":", f", per device of {args.nproc}:", 1))
     if not plan.fits_estimate:
         print("  (the estimate is above what is available; the exact part "
               f"{'fits' if plan.fits else 'does NOT fit'})")
