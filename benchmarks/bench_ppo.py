@@ -18,12 +18,22 @@ metrics; torchtune's, which has none, through a subclass that times its public m
 
     python benchmarks/bench_ppo.py                      # tiny demo task, CPU, fp32
     python benchmarks/bench_ppo.py --quick              # rows 1 and 4, two tiny steps
+    python benchmarks/bench_ppo.py --cpu-large          # CPU, fp32, 8-layer dim-256 policy, T = 64
+    python benchmarks/bench_ppo.py --cpu-large --quick  # the same models, two tiny steps
     python benchmarks/bench_ppo.py --gpu                # CUDA, bf16, Llama-3.2-1B body
 
 ``--gpu`` builds random-weight HF checkpoints with the Llama-3.2-1B body (16 layers, dim 2048,
 32/8 heads, MLP 8192) but the tiny tokenizer's vocabulary of 512, since the prompts and token
 ids come from the tiny task; P = 16, T = 64. It keeps to a budget (450 s for all rows, 120 s a
 row, compile included) and reports the rows it had to cut as timed out or skipped.
+
+``--cpu-large`` builds random-weight checkpoints the same way, for CPU and fp32: an 8-layer
+dim-256 llama3_2 policy (8/4 heads, MLP 768, 6.4M parameters) and a 4-layer dim-128 llama
+classifier as the reward/value model (4/2 heads, MLP 384), on the tiny task's prompts with
+P = 12 and T = 64. A random-weight policy almost never samples eos, so both recipes stop
+responses on the same 13 token ids (``random_model.CPU_LARGE``): lengths spread over 1-64,
+about half of T on average (the report's *response len*). Its default rows leave out
+``ours_rollout``, whose one unrolled graph grows with T (ask for it with ``--rows``).
 
 Writes ``ppo_bench.md``, ``ppo_bench.json``, ``ppo_bench.png`` (matplotlib, optional) and one
 log per row to ``--out``. The parts live in ``benchmarks/ppo_bench/``: ``rows`` (what each
@@ -41,9 +51,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ppo_bench.gpu_model import build_gpu_assets, describe
+from ppo_bench.random_model import CPU_LARGE, build_assets, gpu_preset
 from ppo_bench.report import hardware, write_report
-from ppo_bench.rows import QUICK_ROWS, ROWS
+from ppo_bench.rows import CPU_LARGE_ROWS, QUICK_ROWS, ROWS
 from ppo_bench.running import run_rows
 from ppo_bench.summary import add_speedups
 
@@ -53,7 +63,8 @@ TINY_MODEL = "tiny demo task (4-layer policy, 2-layer reward model)"
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    """The command line, with the defaults of the chosen mode (default, ``--quick``, ``--gpu``)."""
+    """The command line, with the defaults of the chosen mode (default, ``--quick``, ``--gpu``,
+    ``--cpu-large``, ``--cpu-large --quick``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
@@ -70,8 +81,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in every row (CPU)")
     p.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
     p.add_argument("--quick", action="store_true", help="rows 1 and 4, two tiny steps")
-    p.add_argument("--gpu", action="store_true",
-                   help="CUDA, bf16, Llama-3.2-1B body (vocab 512), random weights")
+    models = p.add_mutually_exclusive_group()
+    models.add_argument("--gpu", action="store_true",
+                        help="CUDA, bf16, Llama-3.2-1B body (vocab 512), random weights")
+    models.add_argument("--cpu-large", action="store_true",
+                        help="CPU, fp32, 8-layer dim-256 policy and 4-layer dim-128 reward/value "
+                             "model (vocab 512), random weights, T = 64, 13 stop token ids")
     p.add_argument("--device", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=16, help="layers of the --gpu model (16: Llama-3.2-1B)")
@@ -82,7 +97,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         defaults = dict(steps=1, warmup=1, batch_size=4, forward_batch_size=4, ppo_batch_size=4,
-                        max_generated_tokens=8)
+                        max_generated_tokens=16 if args.cpu_large else 8)
+    elif args.cpu_large:
+        defaults = dict(steps=4, warmup=2, batch_size=32, forward_batch_size=16, ppo_batch_size=16,
+                        max_generated_tokens=64)
     elif args.gpu:
         defaults = dict(steps=3, warmup=2, batch_size=32, forward_batch_size=16, ppo_batch_size=16,
                         max_prompt_len=16, max_generated_tokens=64, budget_s=450.0,
@@ -94,7 +112,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             setattr(args, key, value)
     args.device = args.device or ("cuda" if args.gpu else "cpu")
     args.dtype = args.dtype or ("bf16" if args.gpu else "fp32")
-    names = args.rows.split(",") if args.rows else list(QUICK_ROWS if args.quick else ROWS)
+    if args.rows:
+        names = args.rows.split(",")
+    else:
+        names = list(QUICK_ROWS if args.quick else CPU_LARGE_ROWS if args.cpu_large else ROWS)
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         p.error(f"unknown rows {unknown}; valid: {list(ROWS)}")
@@ -110,6 +131,7 @@ def setup_block(args: argparse.Namespace, ours: Dict[str, Any], model: str) -> D
         "ppo_batch_size": args.ppo_batch_size, "ppo_epochs": args.ppo_epochs,
         "max_prompt_len": ours["max_prompt_len"], "max_generated_tokens": ours["max_generated_tokens"],
         "temperature": ours["temperature"], "top_k": ours["top_k"],
+        "stop_token_ids": list(ours["stop_token_ids"]),
         "warmup": args.warmup, "steps": args.steps,
     }
 
@@ -124,14 +146,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit("--gpu needs a CUDA device; none is visible to torch.")
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ppo_bench_"))
-    model, gpu_models = TINY_MODEL, None
-    if args.gpu:
-        print(f"building random Llama-3.2-1B-body checkpoints ({args.layers} layers) in {work}", flush=True)
-        extra, policy, reward = build_gpu_assets(args, work / "assets")
-        args.set = list(args.set) + extra
-        model, gpu_models = describe(args.layers), (policy, reward)
+    model, models = TINY_MODEL, None
+    if args.gpu or args.cpu_large:
+        preset = gpu_preset(args.layers) if args.gpu else CPU_LARGE
+        print(f"building random-weight checkpoints ({preset.describe()}) in {work}", flush=True)
+        extra, policy, reward = build_assets(preset, work / "assets", args.dtype)
+        # The user's --set comes last: it may change what the preset sets (stop_token_ids).
+        args.set = extra + list(args.set)
+        model, models = preset.describe(), (policy, reward)
     loadavg_start = "%.2f / %.2f / %.2f" % os.getloadavg()
-    rows, ours = run_rows(args, work, gpu_models)
+    rows, ours = run_rows(args, work, models)
     fastest = add_speedups(rows)
     report = {
         "hardware": hardware(args.device),

@@ -1,10 +1,12 @@
 """The PPO step benchmark in quick mode: torchtune's eager row and ours, one warm-up step and
-one measured step each.
+one measured step each, on the tiny task's models and (``--cpu-large --quick``) on the
+larger random-weight ones.
 
 Timings never decide a test. What is checked is the accounting, which a wrong seam or a wrong
 sum would break: every configured step ran and was recorded, each phase was timed and fits
 inside its step, the whole run holds every step, and the speedups printed are the ratios of
-the medians printed.
+the medians printed; and, for ``--cpu-large``, that both recipes trained the built policy
+with the preset's stop tokens.
 """
 
 import json
@@ -18,16 +20,16 @@ import pytest
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark's package, ppo_bench
 
+from ppo_bench.random_model import CPU_LARGE, num_params  # noqa: E402
 from ppo_bench.rows import ROWS  # noqa: E402
 from ppo_bench.summary import TIMED_PHASES  # noqa: E402
 
 from torchtune_ppo.config import COMPILE_REGIONS, parse_compile  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench_quick")
-    cmd = [sys.executable, str(ROOT / "benchmarks/bench_ppo.py"), "--quick", "--out", str(out)]
+def run_quick(out, *extra):
+    """Runs ``bench_ppo.py --quick`` (plus ``extra``); returns the report, its rows and markdown."""
+    cmd = [sys.executable, str(ROOT / "benchmarks/bench_ppo.py"), "--quick", *extra, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     logs = "\n".join(p.read_text()[-3000:] for p in (out / "logs").glob("*.log"))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}"
@@ -36,6 +38,16 @@ def quick(tmp_path_factory):
     for name, row in rows.items():
         assert row["status"] == "ok", (name, row.get("reason"), logs)
     return report, rows, (out / "ppo_bench.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    return run_quick(tmp_path_factory.mktemp("bench_quick"))
+
+
+@pytest.fixture(scope="module")
+def quick_large(tmp_path_factory):
+    return run_quick(tmp_path_factory.mktemp("bench_quick_large"), "--cpu-large")
 
 
 def test_both_rows_ran_every_configured_step(quick):
@@ -96,6 +108,36 @@ def test_printed_speedup_is_the_ratio_of_printed_medians(quick):
     lo, hi = (a - 5e-4) / (b + 5e-4), (a + 5e-4) / (b - 5e-4)
     assert lo - 5e-3 <= printed <= hi + 5e-3, (a, b, printed)
     assert cells[0]["vs row 1"] == "1.00x"
+
+
+def test_token_counts_are_reported(quick):
+    report, rows, md = quick
+    t = report["setup"]["max_generated_tokens"]
+    for name, row in rows.items():
+        for step in row["steps"]:
+            assert 1 <= step["response_len"] <= t, (name, step["response_len"])
+    # A padded or packed loss step runs on at least one slot per real token. torchtune's pads
+    # every row to P' + T; ours logs its own ratio (none from a recipe without the metric).
+    assert all(s["slots_per_token"] >= 1 for s in rows["tt_eager"]["steps"])
+    assert all(s["slots_per_token"] is None or s["slots_per_token"] >= 1
+               for s in rows["ours_eager"]["steps"])
+    assert "| response len | loss slots/token | peak mem (MiB) |" in md
+
+
+def test_cpu_large_trains_the_built_models_with_its_stop_tokens(quick_large):
+    report, rows, md = quick_large
+    setup = report["setup"]
+    assert list(rows) == ["tt_eager", "ours_eager"]
+    assert setup["stop_token_ids"] == list(CPU_LARGE.stop_token_ids)
+    assert setup["max_generated_tokens"] == 16 and setup["warmup"] + setup["steps"] == 2
+    assert "8-layer CPU model" in setup["model"] and "8-layer CPU model" in md
+    for name, row in rows.items():
+        # Both recipes loaded the random-weight checkpoint the benchmark wrote, not the tiny
+        # task's 4-layer policy.
+        assert row["policy_params"] == num_params(CPU_LARGE.policy), name
+        assert [s["step"] for s in row["steps"]] == [1, 2], name
+        assert all(1 <= s["response_len"] <= 16 for s in row["steps"]), name
+        assert row["peak_memory_mib"] > 0 and row["recompiles"] == 0
 
 
 def test_our_rows_name_every_compile_region():

@@ -15,7 +15,8 @@ def run_ours_row(cfg_dict: Dict[str, Any]) -> Dict[str, Any]:
     Returns:
         Dict[str, Any]: ``steps`` (one dict per PPO step, see ``ppo_bench.rows``) and
         ``whole_run_s``, from the call of ``train()`` to the end of its last step (the final
-        checkpoint that ``train()`` writes afterwards is left out).
+        checkpoint that ``train()`` writes afterwards is left out); ``policy_params``, the
+        parameters of the policy it trained.
     """
     from omegaconf import OmegaConf
     from ppo_full_finetune import PPOFullFinetuneRecipe
@@ -48,10 +49,16 @@ def run_ours_row(cfg_dict: Dict[str, Any]) -> Dict[str, Any]:
             "prompt_len": cfg.max_prompt_len,
             "recompiles": int(metrics["recompiles"]),
             "graphs": compile_count() - graphs_before,
+            # Valid response tokens per row (stop token included), the batch's mean.
+            "response_len": metrics["response_lengths"],
+            # Token slots the packed loss step ran on / the real tokens it needed (a recipe
+            # without the metric reports none).
+            "slots_per_token": metrics.get("loss_step_slots_per_token"),
         })
 
     sync(device)
     start = time.perf_counter()
     recipe.train(on_step=on_step)
     recipe.cleanup()
-    return {"steps": steps, "whole_run_s": step_ends[-1] - start}
+    return {"steps": steps, "whole_run_s": step_ends[-1] - start,
+            "policy_params": sum(p.numel() for p in recipe._policy_model.parameters())}

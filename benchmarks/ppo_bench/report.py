@@ -54,7 +54,8 @@ def markdown_table(rows: List[Dict[str, Any]], fastest: Optional[str]) -> str:
     head = (
         "| # | row | step (s) | whole run (s) | generate | score | advantages | loss+backward "
         "| optimizer | other | generate share | trajectory tok/s | PPO tok/s | compile (s) "
-        f"| recompiles | peak mem (MiB) | vs row 1 | {vs_fastest} |"
+        "| recompiles | response len | loss slots/token | peak mem (MiB) "
+        f"| vs row 1 | {vs_fastest} |"
     )
     ncols = head.count("|") - 1
     lines = [head, "|---:|---|" + "---:|" * (ncols - 2)]
@@ -67,7 +68,8 @@ def markdown_table(rows: List[Dict[str, Any]], fastest: Optional[str]) -> str:
             + " | ".join(_f(r[p]) for p in PHASES)
             + f" | {r['generate_share']:.0%} | {_f(r['trajectory_tok_s'], '.0f')} "
             f"| {_f(r['ppo_tok_s'], '.0f')} | {_f(r['compile_s'], '.1f')} "
-            f"| {r['recompiles']} | {_f(r['peak_memory_mib'], '.0f')} "
+            f"| {r['recompiles']} | {_f(r['response_len'], '.1f')} "
+            f"| {_f(r['slots_per_token'], '.2f')} | {_f(r['peak_memory_mib'], '.0f')} "
             f"| {_x(r['speedup_vs_row1'])} | {_x(r['speedup_vs_fastest_torchtune'])} |"
         )
     return "\n".join(lines)
@@ -108,7 +110,8 @@ def report_markdown(report: Dict[str, Any]) -> str:
         f"forward_batch_size {s['forward_batch_size']}, ppo_batch_size {s['ppo_batch_size']}, "
         f"ppo_epochs {s['ppo_epochs']}, P = {s['max_prompt_len']} (ours; torchtune pads each batch "
         f"to its longest prompt), T = {s['max_generated_tokens']}, temperature {s['temperature']}, "
-        f"top_k {s['top_k']}; {s['warmup']} warm-up + {s['steps']} measured steps per row",
+        f"top_k {s['top_k']}, stop_token_ids {s['stop_token_ids']}; {s['warmup']} warm-up + "
+        f"{s['steps']} measured steps per row",
         "",
         markdown_table(report["rows"], report["fastest_torchtune"]),
         "",
@@ -127,6 +130,13 @@ def report_markdown(report: Dict[str, Any]) -> str:
         "with P the prompt width the row used. *compile* = first-step time minus the steady-state "
         "median (compilation plus other first-call costs; each row starts with an empty inductor "
         "cache). *recompiles* = graphs dynamo compiled after the first step. "
+        "*response len* = valid response tokens per row (stop token included), the mean over "
+        "the measured steps (torchtune's recipe always generates T tokens and masks what follows "
+        "the first stop token; ours stops once every row has stopped). *loss slots/token* = token "
+        "slots the loss step ran on per real token it needed (a row's prompt tokens and its "
+        "response up to the last valid token, less that one), the median over the measured "
+        "steps: ours logs it (`loss_step_slots_per_token`, packed rows); torchtune's is its "
+        "padded width, rows × (P' + T), over the same count of real tokens. "
         f"*peak mem* = {mem}, setup included. Speedups are ratios of the median step times "
         "measured in this run.",
     ]

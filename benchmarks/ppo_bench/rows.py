@@ -3,9 +3,11 @@
 Each row runs in a fresh process (clean dynamo state, clean peak memory), started by
 ``running.launch_row`` as ``python -m ppo_bench.rows --spec SPEC.json --out RESULT.json``.
 The spec holds everything the row needs (``recipe``, ``device``, ``threads``, ``cfg``); the
-result is ``{"status": "ok", "steps": [...], "whole_run_s": ..., "peak_memory_mib": ...}``,
-one dict per step with ``step_s``, the phase seconds, ``prompt_len``, ``recompiles`` (graphs
-compiled since the end of step 1) and ``graphs`` (graphs compiled since ``train()`` began).
+result is ``{"status": "ok", "steps": [...], "whole_run_s": ..., "policy_params": ...,
+"peak_memory_mib": ...}``, one dict per step with ``step_s``, the phase seconds,
+``prompt_len``, ``recompiles`` (graphs compiled since the end of step 1), ``graphs`` (graphs
+compiled since ``train()`` began), ``response_len`` (the batch's mean valid response tokens)
+and ``slots_per_token`` (loss-step token slots per real token).
 """
 
 import argparse
@@ -45,6 +47,9 @@ ROWS = {
         "generate": False, "trajectory": False, "loss_step": True, "rollout": True}}),
 }
 QUICK_ROWS = ("tt_eager", "ours_eager")
+# --cpu-large: every row but compile.rollout, whose one graph unrolls all T = 64 decode steps
+# (on the tiny task, T = 24, it already took 435 s to compile); --rows still runs it.
+CPU_LARGE_ROWS = tuple(name for name in ROWS if name != "ours_rollout")
 
 
 def run_row(spec_path: Path, out_path: Path) -> None:

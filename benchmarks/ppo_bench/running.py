@@ -65,14 +65,14 @@ def _time_left(args: argparse.Namespace, elapsed: float) -> Optional[float]:
 
 
 def run_rows(args: argparse.Namespace, work: Path,
-             gpu_models: Optional[Tuple[dict, dict]]) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+             models: Optional[Tuple[dict, dict]]) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
     """Runs ``args.row_names`` in ``RUN_ORDER``, skipping rows once the budget is spent.
 
     Args:
         args (argparse.Namespace): the parsed command line.
         work (Path): scratch folder (specs, results, inductor caches, row outputs).
-        gpu_models (Optional[Tuple[dict, dict]]): the ``--gpu`` policy and reward/value model
-            blocks, replacing the config's.
+        models (Optional[Tuple[dict, dict]]): the ``--gpu`` or ``--cpu-large`` policy and
+            reward/value model blocks, replacing the config's.
 
     Returns:
         Tuple[List[Dict[str, Any]], Dict[str, Any]]: the row summaries in table order, and
@@ -83,8 +83,8 @@ def run_rows(args: argparse.Namespace, work: Path,
     for name in order:
         row = ROWS[name]
         ours = ours_config(args, work / name)
-        if gpu_models:
-            ours["policy_model"], ours["reward_and_value_model"] = gpu_models
+        if models:
+            ours["policy_model"], ours["reward_and_value_model"] = models
         cfg = ours if row.recipe == "ours" else torchtune_config(ours, args)
         spec = {"recipe": row.recipe, "threads": args.threads, "cfg": {**cfg, **row.overrides}}
         spec_path = work / f"{name}.spec.json"

@@ -56,12 +56,25 @@ def summarize(name: str, label: str, result: Dict[str, Any], *, warmup: int, bat
         ppo_tok_s=med("ppo_tok_s"),
         prompt_len=med("prompt_len"),
         recompiles=steps[-1]["recompiles"],
+        # Mean over the measured steps of each batch's mean response length (stop token included).
+        response_len=statistics.mean(s["response_len"] for s in measured),
+        slots_per_token=_median_or_none([s.get("slots_per_token") for s in measured]),
+        max_slots_per_token=_max_or_none([s.get("slots_per_token") for s in steps]),
+        policy_params=result.get("policy_params"),
         peak_memory_mib=result["peak_memory_mib"],
         peak_memory_kind=result["peak_memory_kind"],
         steps=steps,
     )
     row["generate_share"] = row["generate"] / row["step_s"]
     return row
+
+
+def _median_or_none(values: List[Optional[float]]) -> Optional[float]:
+    return None if not values or None in values else statistics.median(values)
+
+
+def _max_or_none(values: List[Optional[float]]) -> Optional[float]:
+    return None if not values or None in values else max(values)
 
 
 def add_speedups(rows: List[Dict[str, Any]]) -> Optional[str]:

@@ -28,6 +28,8 @@ class _StepTimes:
         # train() began, the open step began, its trajectory ended, the last step ended.
         self.start = self.step_start = self.trajectory_end = self.last_step_end = 0.0
         self.graphs_before = self.graphs_after_step1 = 0
+        self.trajectory = None  # the open step's trajectory, read once the step has ended
+        self.pad_id = 0
 
     def now(self) -> float:
         sync(self.device)
@@ -66,6 +68,7 @@ def timed_recipe_class(base: type) -> type:
             """torchtune's setup, then the timed KV-cache context and optimizer hooks."""
             super().setup(cfg)
             self.bench = _StepTimes(cfg.device)
+            self.bench.pad_id = self._tokenizer.pad_id
             make_cache_ctx = self.cache_ctx_manager
 
             # The body of this `with` in generate_trajectory is the generation.generate call
@@ -102,6 +105,7 @@ def timed_recipe_class(base: type) -> type:
             bench.trajectory_end = bench.now()
             # Steps 1-6: generation, then scoring (logprobs, values, rewards, masks).
             bench.current["trajectory"] = bench.trajectory_end - bench.step_start
+            bench.trajectory = trajectory
             return trajectory
 
         def ppo_step(self, *args, **kwargs):
@@ -140,10 +144,41 @@ def timed_recipe_class(base: type) -> type:
             step["recompiles"] = graphs - bench.graphs_after_step1
             step["graphs"] = graphs - bench.graphs_before
             step["step"] = len(bench.steps) + 1
+            step.update(token_counts(bench.trajectory, bench.pad_id))
             bench.steps.append(step)
-            bench.current = None
+            bench.current = bench.trajectory = None
 
     return TimedPPORecipe
+
+
+def token_counts(trajectory, pad_id: int) -> Dict[str, float]:
+    """The batch's mean response length and its loss step's slots per real token.
+
+    Counted as our recipe counts them, after the step's clock has stopped. A real token is one
+    the loss step needs as input: the prompt's tokens and the response's up to its last valid
+    token, less that last one (``prompt_len + span - 1`` a row). torchtune's ``ppo_step`` runs
+    every micro-batch as rows of the whole trajectory width (``P' + T``, padding included),
+    and every PPO epoch covers each row once: slots per real token is
+    ``rows * (P' + T) / real tokens``, whatever the epochs and minibatches.
+
+    Args:
+        trajectory: torchtune's ``Trajectory`` of the step (left-padded prompts of width P').
+        pad_id (int): the tokenizer's padding id (the prompts' left padding).
+
+    Returns:
+        Dict[str, float]: ``response_len`` (valid response tokens per row, stop token
+        included, the batch's mean) and ``slots_per_token``.
+    """
+    import torch
+
+    rows, width = trajectory.query_responses.shape
+    valid = ~trajectory.response_padding_masks  # [rows, T]
+    context = width - valid.shape[1]
+    prompt_lens = (trajectory.query_responses[:, :context] != pad_id).sum(-1)
+    spans = (valid * torch.arange(1, valid.shape[1] + 1, device=valid.device)).amax(-1)
+    real = int((prompt_lens + spans - 1)[spans > 0].sum())
+    return {"response_len": float(valid.sum(-1).float().mean()),
+            "slots_per_token": rows * width / real if real else float("nan")}
 
 
 def run_torchtune_row(cfg_dict: Dict[str, Any]) -> Dict[str, Any]:
@@ -154,7 +189,8 @@ def run_torchtune_row(cfg_dict: Dict[str, Any]) -> Dict[str, Any]:
 
     Returns:
         Dict[str, Any]: ``steps`` (one dict per PPO step, see ``ppo_bench.rows``) and
-        ``whole_run_s``, from the call of ``train()`` to the end of its last step.
+        ``whole_run_s``, from the call of ``train()`` to the end of its last step;
+        ``policy_params``, the parameters of the policy it trained.
     """
     from omegaconf import OmegaConf
 
@@ -164,4 +200,5 @@ def run_torchtune_row(cfg_dict: Dict[str, Any]) -> Dict[str, Any]:
     recipe.train()
     recipe.cleanup()
     bench = recipe.bench
-    return {"steps": bench.steps, "whole_run_s": bench.last_step_end - bench.start}
+    return {"steps": bench.steps, "whole_run_s": bench.last_step_end - bench.start,
+            "policy_params": sum(p.numel() for p in recipe._policy_model.parameters())}
