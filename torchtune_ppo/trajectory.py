@@ -1,8 +1,13 @@
 """Steps 2-6 of a PPO step: score generated (query, response) pairs.
 
 :func:`score_trajectory` is a plain function of tensors and modules with static shapes, so
-the recipe can compile it as one graph. It is always called under ``torch.no_grad()`` with
-the same shapes, so it compiles once.
+it compiles as one graph. It is always called under ``torch.no_grad()`` with the same shapes,
+so it compiles once. It runs the models on padded ``[b, P + T]`` rows: it is what
+``compile.rollout`` traces with the generation, what a custom :data:`RewardFn` is scored
+with, and the reference twin of the packed scoring the recipe uses otherwise
+(:func:`~torchtune_ppo.packed_scoring.packed_score_trajectory`, the same
+:class:`Trajectory` from forwards on real tokens only). Both share :func:`truncated` (step 4)
+and :func:`finish_trajectory` (penalties, step 6).
 """
 
 from typing import Callable, NamedTuple, Optional, Tuple
