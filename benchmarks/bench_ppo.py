@@ -32,8 +32,9 @@ dim-256 llama3_2 policy (8/4 heads, MLP 768, 6.4M parameters) and a 4-layer dim-
 classifier as the reward/value model (4/2 heads, MLP 384), on the tiny task's prompts with
 P = 12 and T = 64. A random-weight policy almost never samples eos, so both recipes stop
 responses on the same 13 token ids (``random_model.CPU_LARGE``): lengths spread over 1-64,
-about half of T on average (the report's *response len*). Its default rows leave out
-``ours_rollout``, whose one unrolled graph grows with T (ask for it with ``--rows``).
+about half of T at the first step and ~3/8 of T after it (the report's *response len*). Its
+default rows leave out ``ours_rollout``, whose one unrolled graph grows with T (ask for it
+with ``--rows``).
 
 Writes ``ppo_bench.md``, ``ppo_bench.json``, ``ppo_bench.png`` (matplotlib, optional) and one
 log per row to ``--out``. The parts live in ``benchmarks/ppo_bench/``: ``rows`` (what each
