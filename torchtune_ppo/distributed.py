@@ -3,7 +3,8 @@
 With one process (no ``WORLD_SIZE``/``RANK`` in the environment) every function here is a
 no-op and the recipe runs as on one device. Under ``torchrun --nproc_per_node W`` each rank
 takes ``1/W`` of a step's prompts; the trained models are sharded per transformer layer
-(``fully_shard``), the frozen ones replicated. Reductions are sums across ranks: the recipe
+(``fully_shard``), the frozen ones replicated (or sharded the same way, with
+``shard_frozen_models``). Reductions are sums across ranks: the recipe
 turns its per-rank quantities into shares of the global batch (token weights over the global
 valid count), so the sum is the 1-process value.
 """
@@ -94,7 +95,8 @@ def barrier() -> None:
 
 
 def shard(model: nn.Module) -> None:
-    """FSDP2 per transformer layer, then the root (embeddings, final norm, output).
+    """FSDP2 per transformer layer, then the root (embeddings, final norm, output): the trained
+    models, and the frozen ones with ``shard_frozen_models``.
 
     Gradients are reduce-scattered as sums, not means: the loss step weights each token by
     ``1 / (global valid tokens)``, so each rank's gradient is already its share of the global one.
@@ -107,7 +109,8 @@ def shard(model: nn.Module) -> None:
         m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     # The root's parameters stay gathered from forward to backward: the loss step applies the
     # output layer after the root's forward (see _torchtune_patches.final_hidden_states), and
-    # backward would gather them again at once anyway.
+    # backward would gather them again at once anyway. Scoring reads the reference policy's
+    # output layer the same way; after the rollout the recipe frees what is left (reshard).
     model.set_reshard_after_forward(False, recurse=False)
 
 
