@@ -240,7 +240,7 @@ class Rollout:
             padding, _ = rlhf.truncate_after_stop_token(
                 out.query_responses[:, P:], self.stop_token_ids, self.pad_id
             )
-            lengths.append(torch.stack([lens.to(device), (~padding).sum(-1)]))
+            lengths.append(torch.stack([lens.to(device, torch.long), (~padding).sum(-1)]))
         host = torch.cat(lengths, dim=1).tolist()  # [2, rows of every chunk]
         plans, start = [], 0
         for lens in prompt_lens:

@@ -46,7 +46,9 @@ class Trajectory(NamedTuple):
 
 
 # Reward source: (query_responses [b, S], masks [b, S, S], position_ids [b, S],
-# last_idx [b] index of each row's last valid token) -> scores [b].
+# last_idx [b] index of each row's last valid token) -> scores [b]. It sees padded rows, so a
+# Rollout scores with it on padded rows; ModelReward, whose model is read at the last valid
+# token only, is scored on packed rows instead (torchtune_ppo.packed_scoring).
 RewardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
