@@ -44,7 +44,7 @@ from torchtune_ppo.guards import SkippedSteps
 from torchtune_ppo.interrupt import stop_on_signals
 from torchtune_ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.memory import check_plan
-from torchtune_ppo.metrics import PhaseTimer, step_metrics
+from torchtune_ppo.metrics import PackedTokens, PhaseTimer, step_metrics
 from torchtune_ppo.optim import InBackwardOptimizer, build_optimizer
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rewards import FunctionReward
@@ -100,6 +100,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._score_history: List[Dict[str, float]] = []  # for the end-of-run summary
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type == "cuda"
         self._recompiles = RecompileCounter()
+        self._packed_tokens = PackedTokens()
         self.steps_run = 0
         self.epochs_run = 0
         self._batches_run_in_epoch = 0  # the data position inside the current epoch
@@ -371,18 +372,20 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         if self._world_size > 1:  # token weights over the global micro-batch's valid tokens
             counts = torch.tensor([sum(lengths.valid_counts[i] for i in idxs) for idxs in micro_batches])
             valid_totals = distributed.all_reduce_sum(counts.to(self._device)).tolist()
+        rows = packing.default_rows(len(micro_batches[0]))
         steps = packing.pack_minibatch(
             trajectory, advantages, returns, micro_batches, lengths,
-            prompt_len=self._prompt_len, rows=packing.default_rows(len(micro_batches[0])),
-            valid_totals=valid_totals,
+            prompt_len=self._prompt_len, rows=rows, valid_totals=valid_totals,
+            num_chunks=packing.logprob_chunks(rows * self._response_len),
         )
+        self._packed_tokens.update(steps, lengths, micro_batches)
         steps = distributed.pad_micro_steps(steps)  # every rank runs as many
         step_stats, losses = [], []
-        for step in steps:  # same shapes every time: one compiled graph
+        for step in steps:  # rows and reads vary: one compiled graph, dynamic in both
             loss, stats = self._ppo_loss_step(
                 self._policy_model,
                 self._value_model,
-                *step,
+                *packing.mark_dynamic(step),
                 temperature=self._temperature,
                 epsilon=self._epsilon,
                 value_clip_range=self._value_clip_range,
@@ -414,6 +417,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         A batch with a non-finite score gets no update at all.
         """
         timer = PhaseTimer(self._device)
+        self._packed_tokens.reset()
         with timer("step"):
             with distributed.gathered(*self._rollout_models):
                 trajectory = self._rollout(prompts, prompt_lens, self._rng, timer, references)
@@ -443,6 +447,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             skipped_steps=float(self._skipped.total),
             lr=float(self._optimizer.param_groups[0]["lr"]),
             recompiles=float(self._recompiles.since_mark),
+            loss_step_slots_per_token=self._packed_tokens.ratio,
         )
         if self._log_peak_memory_stats:
             metrics.update(training.get_memory_stats(device=self._device))

@@ -1,7 +1,8 @@
-"""The packed loss step against the padded one: same loss, stats and gradients, fixed shapes.
+"""The packed loss step against the padded one: same loss, stats and gradients, one graph.
 
-The compiled tests share one compiled artefact (one graph, compiled once per module) and call
-it with the same model objects, as the recipe does.
+The compiled tests share one compiled artefact (one graph, dynamic in the rows and reads of a
+micro-step, compiled once per module) and call it with the same model objects, as the recipe
+does.
 """
 
 import copy
@@ -21,7 +22,7 @@ from torchtune_ppo.trajectory import masks_and_positions, score_trajectory
 
 P, T = 6, 7
 HP = dict(temperature=0.7, epsilon=0.2, value_clip_range=0.2, value_coeff=0.1)
-CHUNK = 8  # several chunks per micro-step, the last one partial
+CHUNKS = 3  # several output projections per micro-step, of uneven sizes
 
 
 def _trajectory(policy, value, prompt_lens, stops, seed=0):
@@ -91,12 +92,12 @@ def _packed(step_fn, policy, value, traj, advantages, returns, micro_batches, ro
     _zero_grads(policy, value)
     lengths = packing.sequence_lengths(traj, P)
     steps = packing.pack_minibatch(
-        traj, advantages, returns, micro_batches, lengths, prompt_len=P, rows=rows
+        traj, advantages, returns, micro_batches, lengths, prompt_len=P, rows=rows, num_chunks=CHUNKS
     )
     step_stats, total = [], 0.0
     for step in steps:
-        loss, s = step_fn(policy, value, *step, num_micro_batches=len(micro_batches),
-                          chunk_size=CHUNK, **HP)
+        loss, s = step_fn(policy, value, *packing.mark_dynamic(step),
+                          num_micro_batches=len(micro_batches), **HP)
         loss.backward()
         step_stats.append(s)
         total = total + loss.detach()
@@ -156,20 +157,36 @@ def test_packing_holds_real_tokens_only():
     assert lengths.spans == lengths.valid_counts == spans
     steps = packing.pack_minibatch(traj, advantages, returns, [list(range(8))], lengths, prompt_len=P, rows=2)
     real = sum(p + s - 1 for p, s in zip(lengths.prompt_lens, spans))
-    assert all(step.tokens.shape == (2, P + T - 1) and step.read_positions.shape == (2 * T,) for step in steps)
+    for step in steps:  # at most 2 rows, at least MIN_SIZE rows and reads, only the reads it uses
+        rows, (c, k) = step.tokens.shape[0], step.read_positions.shape
+        assert step.tokens.shape[1] == P + T - 1 and packing.MIN_SIZE <= rows <= 2
+        assert all(t.shape[0] == rows for t in step[:3]) and all(t.shape == (1, k) for t in step[3:])
+        assert k == max(packing.MIN_SIZE, int((step.weights > 0).sum()))
     assert sum(int((step.segment_ids >= 0).sum()) for step in steps) == real
     assert sum(int((step.weights > 0).sum()) for step in steps) == sum(spans)
     # every read predicts the response token at its trajectory position
     targets = torch.cat([s.targets[s.weights > 0] for s in steps]).sort().values
     expected = torch.cat([traj.query_responses[i, P : P + n] for i, n in enumerate(spans)]).sort().values
     assert torch.equal(targets, expected)
-    assert len(steps) < 8 * (P + T) / (2 * (P + T - 1))  # fewer slots than the padded rows
+    # 55 real tokens: first-fit decreasing fills 5 rows of 12 (60 slots); in steps of at most 2
+    # rows the last step gets a filler row (72 slots); padded rows would take 8 * 13 = 104.
+    assert real == 55 and sum(step.tokens.numel() for step in steps) == 72
+    one_step = packing.pack_minibatch(traj, advantages, returns, [list(range(8))], lengths, prompt_len=P, rows=8)
+    assert len(one_step) == 1 and one_step[0].tokens.shape == (5, P + T - 1)
+    # reads in 3 chunks: 35 real reads -> 3 chunks of 12, the last read unused
+    chunked = packing.pack_minibatch(traj, advantages, returns, [list(range(8))], lengths, prompt_len=P,
+                                     rows=8, num_chunks=3)[0]
+    assert chunked.read_positions.shape == (3, 12) and int((chunked.weights > 0).sum()) == sum(spans) == 35
+    assert torch.equal(chunked.targets.flatten()[:35], one_step[0].targets[0])
 
 
 def test_plan_places_whole_sequences_without_overlap():
     tokens = [10, 3, 7, 9, 1, 5, 10, 2, 6]
     reads = [4, 1, 7, 2, 1, 5, 9, 2, 3]
-    places, num_steps = packing.plan_micro_steps(tokens, reads, rows=2, row_len=10, max_reads=12)
+    places, step_rows, step_reads = packing.plan_micro_steps(tokens, reads, rows=2, row_len=10, max_reads=12)
+    num_steps = len(step_rows)
+    assert all(r <= 2 for r in step_rows) and all(r <= 12 for r in step_reads)
+    assert sum(step_reads) == sum(reads)
     slots, read_slots = set(), set()
     for n, r, (step, slot, read) in zip(tokens, reads, places):
         assert slot // 10 == (slot + n - 1) // 10 < 2  # inside one of the step's two rows
@@ -202,8 +219,10 @@ def test_chunked_logprobs_equal_log_softmax_of_full_logits(build):
         torch.testing.assert_close(model.output(hidden).float(), full, atol=1e-6, rtol=0)
         targets = torch.randint(0, VOCAB, (3 * P,), generator=torch.Generator().manual_seed(0))
         got = rlhf.chunked_logprobs(model.output, hidden.flatten(0, 1), targets, 0.7, chunk_size=5)
+        one = rlhf.token_logprobs(model.output, hidden.flatten(0, 1), targets, 0.7)
     expected = torch.log_softmax(full.flatten(0, 1) / 0.7, -1).gather(1, targets[:, None])[:, 0]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(one, expected, atol=1e-5, rtol=0)
 
 
 # ----------------------------------------------------------------------------- compiled

@@ -114,13 +114,14 @@ def packed_ppo_loss_step(
     value_clip_range: float,
     value_coeff: float,
     num_micro_batches: int,
-    chunk_size: int = 256,
 ) -> Tuple[torch.Tensor, rlhf.PPOStats]:
     """Forward both trained models on one packed micro-step; return its weighted PPO loss and stats.
 
     The tensor arguments are the fields of :class:`~torchtune_ppo.packing.PackedMicroStep`:
-    ``R`` rows of ``L`` packed tokens and ``N`` reads. The output projections run only on the
-    ``N`` read positions, the policy's in chunks of ``chunk_size`` (no ``[R, L, V]`` logits).
+    ``R`` rows of ``L`` packed tokens and ``C`` chunks of ``K`` reads; ``R`` and ``K`` vary from
+    call to call (compiled: one graph, dynamic in both). The output projections run only on the
+    read positions, the policy's one chunk at a time (no ``[R, L, V]`` logits; the largest
+    float32 tensor is ``[K, V]``).
 
     Args:
         policy_model (nn.Module): the trained policy.
@@ -128,33 +129,33 @@ def packed_ppo_loss_step(
         tokens (torch.Tensor): ``[R, L]``.
         segment_ids (torch.Tensor): ``[R, L]``, one id per packed sequence.
         position_ids (torch.Tensor): ``[R, L]``.
-        read_positions (torch.Tensor): flat slot indices into ``R * L`` ``[N]``.
-        old_logprobs (torch.Tensor): logprobs at trajectory time ``[N]``.
-        old_values (torch.Tensor): values at trajectory time ``[N]``.
-        advantages (torch.Tensor): ``[N]``.
-        returns (torch.Tensor): ``[N]``.
-        targets (torch.Tensor): the response tokens read ``[N]``.
-        weights (torch.Tensor): ``1 / (grad_accum * valid tokens of the micro-batch)`` ``[N]``,
-            0 at unused reads.
-        micro_batch_ids (torch.Tensor): ``[N]`` in ``[0, num_micro_batches)``.
+        read_positions (torch.Tensor): flat slot indices into ``R * L`` ``[C, K]``.
+        old_logprobs (torch.Tensor): logprobs at trajectory time ``[C, K]``.
+        old_values (torch.Tensor): values at trajectory time ``[C, K]``.
+        advantages (torch.Tensor): ``[C, K]``.
+        returns (torch.Tensor): ``[C, K]``.
+        targets (torch.Tensor): the response tokens read ``[C, K]``.
+        weights (torch.Tensor): ``1 / (grad_accum * valid tokens of the micro-batch)``
+            ``[C, K]``, 0 at unused reads.
+        micro_batch_ids (torch.Tensor): ``[C, K]`` in ``[0, num_micro_batches)``.
         temperature (float): sampling temperature of the trajectory.
         epsilon (float): policy ratio clip range.
         value_clip_range (float): value clip range.
         value_coeff (float): weight of the value loss.
         num_micro_batches (int): ``grad_accum``, the micro-batches the stats are summed into.
-        chunk_size (int): positions per output projection of the policy.
 
     Returns:
         Tuple[torch.Tensor, PPOStats]: the loss to call ``backward`` on, and detached stats, each
         ``[num_micro_batches]``: this micro-step's share of every micro-batch's scaled stat.
     """
     masks = block_causal_masks(segment_ids)  # [R, L, L]
-    h = final_hidden_states(policy_model, tokens, mask=masks, input_pos=position_ids)
-    h = h.flatten(0, 1).index_select(0, read_positions)  # [N, D]
-    pi_logprobs = rlhf.chunked_logprobs(policy_model.output, h, targets, temperature, chunk_size)
-    h = final_hidden_states(value_model, tokens, mask=masks, input_pos=position_ids)
-    h = h.flatten(0, 1).index_select(0, read_positions)  # [N, D]
-    phi_values = value_model.output(h)[:, 0].float()  # [N]
+    h = final_hidden_states(policy_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
+    pi_logprobs = torch.stack([  # one output projection per chunk: [C, K]
+        rlhf.token_logprobs(policy_model.output, h.index_select(0, read_positions[c]), targets[c], temperature)
+        for c in range(read_positions.shape[0])
+    ])
+    h = final_hidden_states(value_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
+    phi_values = value_model.output(h[read_positions])[..., 0].float()  # [C, K]
 
     policy_losses, value_losses, ratios, clipped = rlhf.ppo_token_losses(
         old_logprobs, pi_logprobs, advantages, old_values, phi_values, returns,
@@ -166,9 +167,9 @@ def packed_ppo_loss_step(
     approx_kls = 0.5 * (pi_logprobs.detach() - old_logprobs).pow(2)
     per_token = torch.stack(
         [token_losses, policy_losses, 0.5 * value_losses, ratios, clipped, approx_kls]
-    ).detach() * weights  # [6, N]
+    ).detach() * weights  # [6, C, K]
     # A one-hot matmul rather than index_add: inductor 2.13 fails to generate code for an
     # atomic scatter into a size-1 dimension (grad_accum = 1).
-    onehot = torch.nn.functional.one_hot(micro_batch_ids, num_micro_batches).to(per_token.dtype)
-    per_micro_batch = per_token @ onehot  # [6, N] @ [N, G] -> [6, G]
+    onehot = torch.nn.functional.one_hot(micro_batch_ids.flatten(), num_micro_batches).to(per_token.dtype)
+    per_micro_batch = per_token.flatten(1) @ onehot  # [6, C * K] @ [C * K, G] -> [6, G]
     return loss, rlhf.PPOStats(*per_micro_batch)

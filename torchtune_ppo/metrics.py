@@ -32,6 +32,32 @@ class PhaseTimer:
         self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
 
 
+class PackedTokens:
+    """Token slots the loss step ran on against the real tokens it needed, over a step.
+
+    ``ratio`` (logged as ``loss_step_slots_per_token``) is 1.0 for perfect packing; a padded
+    step would run on ``P + T`` slots per row.
+    """
+
+    def __init__(self) -> None:
+        self.slots = self.real = 0
+
+    def reset(self) -> None:
+        self.slots = self.real = 0
+
+    def update(self, steps, lengths, micro_batches) -> None:
+        """Counts one minibatch's packed micro-steps and the real tokens of its sequences."""
+        self.slots += sum(step.tokens.numel() for step in steps)
+        self.real += sum(
+            lengths.prompt_lens[i] + lengths.spans[i] - 1
+            for idxs in micro_batches for i in idxs if lengths.spans[i] > 0
+        )
+
+    @property
+    def ratio(self) -> float:
+        return self.slots / self.real if self.real else float("nan")
+
+
 def step_metrics(
     trajectory: Trajectory,
     stats: List[rlhf.PPOStats],

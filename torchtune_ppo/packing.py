@@ -6,12 +6,14 @@ column ``P - 1 + j`` (its logprob, and the value of the state before it), so all
 is its prompt's real tokens and its response up to the token before its last valid one:
 ``prompt_len + span - 1`` tokens, where ``span`` ends at the last valid response token.
 
-Each such sequence is placed whole (first-fit decreasing) into micro-steps of ``R`` rows of
-``L = P + T - 1`` slots, so any sequence fits a row, with at most ``N`` reads per micro-step.
-Sequences sharing a row see only themselves (block-diagonal causal masks) and count positions
-from 0, as in their trajectory row. Every micro-step has the same shapes, so the compiled loss
-step keeps one graph; only the number of micro-steps changes with the length mix (a Python
-loop count).
+Each such sequence is placed whole (first-fit decreasing) into rows of ``L = P + T - 1``
+slots, so any sequence fits a row; a micro-step holds at most ``R`` rows (the padded
+micro-batch's row count, so its activations never exceed the padded step's) and ``R * T``
+reads. Sequences sharing a row see only themselves (block-diagonal causal masks) and count
+positions from 0, as in their trajectory row. A micro-step has only the rows and reads it
+uses (at least 2 of each, so that no size is 1), so the tensors' first dimensions change from
+call to call: the compiled loss step marks them dynamic (:func:`mark_dynamic`) and keeps one
+graph for every length mix, where fixed shapes would carry a third or more padding.
 
 Each read carries the weight ``1 / (grad_accum * valid tokens of its micro-batch)``, the
 micro-batch being the one the recipe drew for it, so the sum of the weighted token losses over
@@ -44,22 +46,23 @@ class SequenceLengths(NamedTuple):
 class PackedMicroStep(NamedTuple):
     """One packed micro-step, the tensor arguments of ``packed_ppo_loss_step`` in order.
 
-    ``R`` rows of ``L`` slots; ``N`` reads (positions whose output is read), flat indices
-    into the ``R * L`` slots. Unused slots are one-token segments at position 0; unused reads
-    point at slot 0 with weight 0.
+    ``R`` rows of ``L`` slots; ``C * K`` reads (positions whose output is read), flat indices
+    into the ``R * L`` slots, in ``C`` chunks of ``K`` (one output projection each). ``R`` and
+    ``K`` are what the step's sequences need (at least 2); ``C`` is fixed for the run. Unused
+    slots are one-token segments at position 0; unused reads point at slot 0 with weight 0.
 
     Attributes:
         tokens (torch.Tensor): ``[R, L]``.
         segment_ids (torch.Tensor): ``[R, L]``, equal within a sequence, unique otherwise.
         position_ids (torch.Tensor): ``[R, L]``, from 0 within each sequence.
-        read_positions (torch.Tensor): ``[N]``, slot whose output predicts the target.
-        old_logprobs (torch.Tensor): ``[N]``.
-        old_values (torch.Tensor): ``[N]``.
-        advantages (torch.Tensor): ``[N]``.
-        returns (torch.Tensor): ``[N]``.
-        targets (torch.Tensor): ``[N]``, the response token read.
-        weights (torch.Tensor): ``[N]``, ``1 / (grad_accum * n_valid(micro-batch))``, 0 if unused.
-        micro_batch_ids (torch.Tensor): ``[N]``, the micro-batch each read belongs to.
+        read_positions (torch.Tensor): ``[C, K]``, slot whose output predicts the target.
+        old_logprobs (torch.Tensor): ``[C, K]``.
+        old_values (torch.Tensor): ``[C, K]``.
+        advantages (torch.Tensor): ``[C, K]``.
+        returns (torch.Tensor): ``[C, K]``.
+        targets (torch.Tensor): ``[C, K]``, the response token read.
+        weights (torch.Tensor): ``[C, K]``, ``1 / (grad_accum * n_valid(micro-batch))``, 0 if unused.
+        micro_batch_ids (torch.Tensor): ``[C, K]``, the micro-batch each read belongs to.
     """
 
     tokens: torch.Tensor
@@ -76,15 +79,23 @@ class PackedMicroStep(NamedTuple):
 
 
 def default_rows(micro_batch_size: int) -> int:
-    """Rows per packed micro-step for micro-batches of ``micro_batch_size`` padded rows: half.
+    """Most rows of one packed micro-step: the padded micro-batch's, ``micro_batch_size``.
 
-    Real tokens fill a third to a half of a padded row in typical PPO batches (shorter prompts,
-    early stops), so a micro-batch's tokens usually fit one such micro-step. Fewer rows would
-    waste less padding in the last micro-step but pay the fixed cost of a call (kernel launches,
-    autograd bookkeeping for both models) more often; on the tiny CPU task that cost is worth
-    a few rows.
+    Every sequence fits a row, so a micro-batch always packs into one micro-step, and a
+    micro-step's activations are at most the padded micro-batch's; it usually needs far fewer
+    rows (real tokens fill a third to a half of a padded row in typical PPO batches).
     """
-    return max(1, (micro_batch_size + 1) // 2)
+    return max(1, micro_batch_size)
+
+
+def logprob_chunks(max_reads: int, chunk_size: int = 256) -> int:
+    """``C``, the output projections of a loss step of at most ``max_reads`` reads, each on at
+    most ``chunk_size`` positions whatever the step's read count."""
+    return max(1, -(-max_reads // chunk_size))
+
+
+# No micro-step has a dimension of size 1: the compiled step would specialise on it.
+MIN_SIZE = 2
 
 
 def sequence_lengths(trajectory: Trajectory, prompt_len: int) -> SequenceLengths:
@@ -113,7 +124,7 @@ def plan_micro_steps(
     rows: int,
     row_len: int,
     max_reads: int,
-) -> Tuple[List[Tuple[int, int, int]], int]:
+) -> Tuple[List[Tuple[int, int, int]], List[int], List[int]]:
     """First-fit decreasing placement of whole sequences into micro-steps of ``rows`` rows.
 
     Args:
@@ -124,8 +135,8 @@ def plan_micro_steps(
         max_reads (int): reads per micro-step.
 
     Returns:
-        Tuple: for each sequence ``(step, first slot in the step, first read in the step)``,
-        and the number of micro-steps (at least 1).
+        Tuple: for each sequence ``(step, first slot in the step, first read in the step)``;
+        the rows and the reads each micro-step uses (at least one micro-step).
     """
     open_rows = []  # [step, first slot of the row, slots used]
     step_rows, step_reads = [], []
@@ -148,7 +159,7 @@ def plan_micro_steps(
         places[i] = (row[0], row[1] + row[2], step_reads[row[0]])
         row[2] += n
         step_reads[row[0]] += r
-    return places, max(len(step_rows), 1)
+    return places, step_rows or [0], step_reads or [0]
 
 
 def pack_minibatch(
@@ -161,6 +172,7 @@ def pack_minibatch(
     prompt_len: int,
     rows: int,
     max_reads: int = 0,
+    num_chunks: int = 1,
     valid_totals: Optional[Sequence[int]] = None,
 ) -> List[PackedMicroStep]:
     """The packed micro-steps of one minibatch: placement on the host, gathers on the device.
@@ -174,13 +186,14 @@ def pack_minibatch(
         lengths (SequenceLengths): from :func:`sequence_lengths`.
         prompt_len (int): ``P``.
         rows (int): ``R``, rows per micro-step.
-        max_reads (int): ``N``, reads per micro-step; 0 means ``R * T``, a padded micro-batch's.
+        max_reads (int): reads per micro-step; 0 means ``R * T``, a padded micro-batch's.
+        num_chunks (int): ``C``, the chunks a micro-step's reads are laid out in.
         valid_totals (Optional[Sequence[int]]): per micro-batch, the valid tokens its weights
             divide by; None for its own. With data parallel ranks: the global micro-batch's, so
             the ranks' weighted losses sum to the global micro-batch's mean.
 
     Returns:
-        List[PackedMicroStep]: one or more micro-steps, all of the same shapes.
+        List[PackedMicroStep]: one or more micro-steps, each with the rows and reads it uses.
     """
     s = trajectory.query_responses.shape[1]
     response_len = s - prompt_len
@@ -192,19 +205,24 @@ def pack_minibatch(
         valid_totals = [sum(lengths.valid_counts[i] for i in idxs) for idxs in micro_batches]
     scale = [1.0 / (grad_accum * max(n, 1)) for n in valid_totals]
     token_counts = [lengths.prompt_lens[i] + lengths.spans[i] - 1 for _, i in seqs]
-    places, num_steps = plan_micro_steps(
+    places, step_rows, step_reads = plan_micro_steps(
         token_counts, [lengths.spans[i] for _, i in seqs],
         rows=rows, row_len=row_len, max_reads=max_reads,
     )
+    step_slots = [max(r, MIN_SIZE) * row_len for r in step_rows]
+    # each step's reads as C chunks of K, K = ceil(reads / C) (at least MIN_SIZE)
+    step_reads = [num_chunks * max(-(-r // num_chunks), MIN_SIZE) for r in step_reads]
+    slot_base = [sum(step_slots[:k]) for k in range(len(step_slots))]
+    read_base = [sum(step_reads[:k]) for k in range(len(step_reads))]
 
     # Host index lists, defaults for unused slots and reads: token 0 of row 0, its own segment.
-    slots, reads = num_steps * rows * row_len, num_steps * max_reads
+    slots, reads = sum(step_slots), sum(step_reads)
     token_src, positions = [0] * slots, [0] * slots
     segments = list(range(-1, -1 - slots, -1))
     read_pos, read_src, read_token, read_micro = [0] * reads, [0] * reads, [0] * reads, [0] * reads
     read_scale = [0.0] * reads
     for seq, ((g, i), n, (step, slot, read)) in enumerate(zip(seqs, token_counts, places)):
-        slot0, read0, span = step * rows * row_len + slot, step * max_reads + read, lengths.spans[i]
+        slot0, read0, span = slot_base[step] + slot, read_base[step] + read, lengths.spans[i]
         first = i * s + prompt_len - lengths.prompt_lens[i]  # flat index of the first real token
         token_src[slot0 : slot0 + n] = range(first, first + n)
         positions[slot0 : slot0 + n] = range(n)
@@ -221,16 +239,15 @@ def pack_minibatch(
     index = _to_device(torch.tensor([token_src, positions, segments]), device)
     read_index = _to_device(torch.tensor([read_pos, read_src, read_token, read_micro]), device)
     read_scale = _to_device(torch.tensor(read_scale, dtype=torch.float32), device)
-    token_src, positions, segments = index.view(3, num_steps, rows, row_len)
-    read_pos, read_src, read_token, read_micro = read_index.view(4, num_steps, max_reads)
+    token_src, positions, segments = index.view(3, slots // row_len, row_len)
+    read_pos, read_src, read_token, read_micro = read_index
 
     flat_tokens = trajectory.query_responses.reshape(-1)
 
-    def gather(x: torch.Tensor) -> torch.Tensor:  # [B, T] -> [K, N]
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [B, T] -> [reads]
         return x.reshape(-1)[read_src]
 
     valid = gather(~trajectory.response_padding_masks)
-    weights = torch.where(valid, read_scale.view(num_steps, max_reads), 0.0)
     packed = PackedMicroStep(
         tokens=flat_tokens[token_src],
         segment_ids=segments,
@@ -241,11 +258,33 @@ def pack_minibatch(
         advantages=gather(advantages),
         returns=gather(returns),
         targets=flat_tokens[read_token],
-        weights=weights,
+        weights=torch.where(valid, read_scale, 0.0),
         micro_batch_ids=read_micro,
     )
-    # Separate contiguous tensors per micro-step, so each call sees the same strides and offsets.
-    return [PackedMicroStep(*(t[k].clone() for t in packed)) for k in range(num_steps)]
+    # Separate contiguous tensors per micro-step, each starting at offset 0.
+    row_splits = [n // row_len for n in step_slots]
+    split = [t.split(row_splits if t.dim() == 2 else step_reads) for t in packed]
+    return [
+        PackedMicroStep(*(
+            parts[k].clone() if parts[k].dim() == 2 else parts[k].reshape(num_chunks, -1).clone()
+            for parts in split
+        ))
+        for k in range(len(step_slots))
+    ]
+
+
+def mark_dynamic(step: PackedMicroStep) -> PackedMicroStep:
+    """Marks a micro-step's rows ``R`` and chunk length ``K`` dynamic for ``torch.compile``.
+
+    The compiled loss step then traces one graph, symbolic in both, the first time it runs,
+    and every later length mix reuses it (both are at least 2: dynamo specialises sizes 0 and
+    1). Eager code ignores the marks.
+    """
+    for t in step[:3]:
+        torch._dynamo.mark_dynamic(t, 0)
+    for t in step[3:]:
+        torch._dynamo.mark_dynamic(t, 1)
+    return step
 
 
 def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

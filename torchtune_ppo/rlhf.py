@@ -66,10 +66,21 @@ def chunked_logprobs(
     """
     logprobs = []
     for start in range(0, hidden.shape[0], chunk_size):
-        logits = output(hidden[start : start + chunk_size]).float() / temperature  # [c, V]
-        target = targets[start : start + chunk_size, None]
-        logprobs.append(torch.gather(torch.log_softmax(logits, dim=-1), 1, target).squeeze(1))
+        end = start + chunk_size
+        logprobs.append(token_logprobs(output, hidden[start:end], targets[start:end], temperature))
     return torch.cat(logprobs)
+
+
+def token_logprobs(
+    output: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """Logprobs of ``targets [n]`` from ``hidden [n, D]`` in one projection (one chunk of
+    :func:`chunked_logprobs`): float32 ``[n]``."""
+    logits = output(hidden).float() / temperature  # [n, V]
+    return torch.gather(torch.log_softmax(logits, dim=-1), 1, targets[:, None]).squeeze(1)
 
 
 def response_values(values: torch.Tensor, prompt_len: int) -> torch.Tensor:
