@@ -372,20 +372,23 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         if self._world_size > 1:  # token weights over the global micro-batch's valid tokens
             counts = torch.tensor([sum(lengths.valid_counts[i] for i in idxs) for idxs in micro_batches])
             valid_totals = distributed.all_reduce_sum(counts.to(self._device)).tolist()
-        rows = packing.default_rows(len(micro_batches[0]))
+        # Under FSDP the compiled step is split into frames at its hooks, and those frames
+        # specialise any dynamic size: fixed shapes there, one graph either way.
+        fixed = self._world_size > 1
+        rows = packing.default_rows(len(micro_batches[0]), fixed_shapes=fixed)
         steps = packing.pack_minibatch(
             trajectory, advantages, returns, micro_batches, lengths,
             prompt_len=self._prompt_len, rows=rows, valid_totals=valid_totals,
-            num_chunks=packing.logprob_chunks(rows * self._response_len),
+            num_chunks=packing.logprob_chunks(rows * self._response_len), fixed_shapes=fixed,
         )
         self._packed_tokens.update(steps, lengths, micro_batches)
         steps = distributed.pad_micro_steps(steps)  # every rank runs as many
         step_stats, losses = [], []
-        for step in steps:  # rows and reads vary: one compiled graph, dynamic in both
+        for step in steps:  # one compiled graph: dynamic in rows and reads, or fixed shapes
             loss, stats = self._ppo_loss_step(
                 self._policy_model,
                 self._value_model,
-                *packing.mark_dynamic(step),
+                *(step if fixed else packing.mark_dynamic(step)),
                 temperature=self._temperature,
                 epsilon=self._epsilon,
                 value_clip_range=self._value_clip_range,

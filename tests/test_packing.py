@@ -88,11 +88,12 @@ def _padded(policy, value, traj, advantages, returns, micro_batches):
     return total, stats, _grads(policy, value)
 
 
-def _packed(step_fn, policy, value, traj, advantages, returns, micro_batches, rows):
+def _packed(step_fn, policy, value, traj, advantages, returns, micro_batches, rows, fixed_shapes=False):
     _zero_grads(policy, value)
     lengths = packing.sequence_lengths(traj, P)
     steps = packing.pack_minibatch(
-        traj, advantages, returns, micro_batches, lengths, prompt_len=P, rows=rows, num_chunks=CHUNKS
+        traj, advantages, returns, micro_batches, lengths, prompt_len=P, rows=rows, num_chunks=CHUNKS,
+        fixed_shapes=fixed_shapes,
     )
     step_stats, total = [], 0.0
     for step in steps:
@@ -132,6 +133,21 @@ def test_packed_matches_padded_loss_stats_and_grads(grad_accum, rows):
     _assert_same(packed, padded)
     assert max(g.abs().max() for g in padded[2].values()) > 1e-3  # not trivially zero
     assert 0 < padded[1][0].clipfrac < 1.0 / grad_accum  # clipping is exercised
+
+
+def test_fixed_shape_packing_matches_padded():
+    """The layout used under FSDP: every micro-step ``rows x L`` with ``C x K`` reads."""
+    policy, value = tiny_policy(), tiny_classifier()
+    traj, advantages, returns = _trajectory(policy, value, **RAGGED)
+    micro_batches = _split([3, 0, 6, 1, 7, 2, 5, 4], 2)
+    padded = _padded(policy, value, traj, advantages, returns, micro_batches)
+    packed = _packed(packed_ppo_loss_step, policy, value, traj, advantages, returns, micro_batches,
+                     rows=2, fixed_shapes=True)
+    _assert_same(packed, padded)
+    steps = packed[3]
+    assert len(steps) >= 2  # 55 tokens do not fit 2 rows of 12
+    assert {tuple(s.tokens.shape) for s in steps} == {(2, P + T - 1)}
+    assert {tuple(s.read_positions.shape) for s in steps} == {(CHUNKS, 2 * T // CHUNKS + (2 * T % CHUNKS > 0))}
 
 
 def test_packed_matches_padded_with_activation_checkpointing():

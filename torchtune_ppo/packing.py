@@ -78,13 +78,23 @@ class PackedMicroStep(NamedTuple):
     micro_batch_ids: torch.Tensor
 
 
-def default_rows(micro_batch_size: int) -> int:
+# No micro-step has a dimension of size 1: the compiled step would specialise on it.
+MIN_SIZE = 2
+
+
+def default_rows(micro_batch_size: int, fixed_shapes: bool = False) -> int:
     """Most rows of one packed micro-step: the padded micro-batch's, ``micro_batch_size``.
 
     Every sequence fits a row, so a micro-batch always packs into one micro-step, and a
     micro-step's activations are at most the padded micro-batch's; it usually needs far fewer
     rows (real tokens fill a third to a half of a padded row in typical PPO batches).
+
+    With ``fixed_shapes`` every micro-step has exactly this many rows: then half the
+    micro-batch's (at least 2), which its real tokens usually fill, so that the padding left
+    is small and a long mix spills into a second micro-step rather than padding every one.
     """
+    if fixed_shapes:
+        return max(MIN_SIZE, (micro_batch_size + 1) // 2)
     return max(1, micro_batch_size)
 
 
@@ -92,10 +102,6 @@ def logprob_chunks(max_reads: int, chunk_size: int = 256) -> int:
     """``C``, the output projections of a loss step of at most ``max_reads`` reads, each on at
     most ``chunk_size`` positions whatever the step's read count."""
     return max(1, -(-max_reads // chunk_size))
-
-
-# No micro-step has a dimension of size 1: the compiled step would specialise on it.
-MIN_SIZE = 2
 
 
 def sequence_lengths(trajectory: Trajectory, prompt_len: int) -> SequenceLengths:
@@ -174,6 +180,7 @@ def pack_minibatch(
     max_reads: int = 0,
     num_chunks: int = 1,
     valid_totals: Optional[Sequence[int]] = None,
+    fixed_shapes: bool = False,
 ) -> List[PackedMicroStep]:
     """The packed micro-steps of one minibatch: placement on the host, gathers on the device.
 
@@ -188,6 +195,9 @@ def pack_minibatch(
         rows (int): ``R``, rows per micro-step.
         max_reads (int): reads per micro-step; 0 means ``R * T``, a padded micro-batch's.
         num_chunks (int): ``C``, the chunks a micro-step's reads are laid out in.
+        fixed_shapes (bool): every micro-step gets ``rows`` rows and ``max_reads`` reads (rounded
+            up to ``C`` chunks), for a compiled step that cannot take dynamic sizes (under FSDP,
+            whose hooks break the step into frames that specialise them).
         valid_totals (Optional[Sequence[int]]): per micro-batch, the valid tokens its weights
             divide by; None for its own. With data parallel ranks: the global micro-batch's, so
             the ranks' weighted losses sum to the global micro-batch's mean.
@@ -209,6 +219,8 @@ def pack_minibatch(
         token_counts, [lengths.spans[i] for _, i in seqs],
         rows=rows, row_len=row_len, max_reads=max_reads,
     )
+    if fixed_shapes:
+        step_rows, step_reads = [rows] * len(step_rows), [max_reads] * len(step_reads)
     step_slots = [max(r, MIN_SIZE) * row_len for r in step_rows]
     # each step's reads as C chunks of K, K = ceil(reads / C) (at least MIN_SIZE)
     step_reads = [num_chunks * max(-(-r // num_chunks), MIN_SIZE) for r in step_reads]
