@@ -29,11 +29,8 @@ import torch
 from torch import nn
 
 from torchtune_ppo._torchtune_patches import final_hidden_states
-from torchtune_ppo.packing import _to_device, block_causal_masks
+from torchtune_ppo.packing import MIN_SIZE, _to_device, block_causal_masks
 from torchtune_ppo.trajectory import Trajectory, finish_trajectory, truncated
-
-# No packed dimension has size 1 (or 0): the compiled region would specialise on it.
-MIN_SIZE = 2
 
 
 class PackedScoring(NamedTuple):
