@@ -185,13 +185,10 @@ class Rollout:
                 with timer("reward"):
                     scores = self._function_scores(outputs, prompt_lens, references)
             with timer("score"), torch.no_grad():
-                if self.packed:
-                    plans = self._plans(outputs, [lens for _, lens in chunks])
-                    trajectories = [self._score_packed(out.query_responses, lens, out.logprobs, chunk_scores, plan)
-                                    for out, (_, lens), chunk_scores, plan in zip(outputs, chunks, scores, plans)]
-                else:
-                    trajectories = [self._score_chunk(out.query_responses, lens, out.logprobs, chunk_scores)
-                                    for out, (_, lens), chunk_scores in zip(outputs, chunks, scores)]
+                plans = (self._plans(outputs, [lens for _, lens in chunks]) if self.packed
+                         else [None] * len(outputs))
+                trajectories = [self._score_chunk(out.query_responses, lens, out.logprobs, chunk_scores, plan)
+                                for out, (_, lens), chunk_scores, plan in zip(outputs, chunks, scores, plans)]
         return Trajectory(*map(torch.cat, zip(*trajectories)))
 
     def _function_scores(self, outputs, prompt_lens: torch.Tensor,
@@ -211,8 +208,13 @@ class Rollout:
         return scores
 
     def _score_chunk(self, query_responses: torch.Tensor, prompt_lens: torch.Tensor,
-                     logprobs: torch.Tensor, scores: Optional[torch.Tensor]) -> Trajectory:
-        in_graph = not isinstance(self.reward_fn, FunctionReward)
+                     logprobs: torch.Tensor, scores: Optional[torch.Tensor],
+                     plan: Optional[PackedScoring]) -> Trajectory:
+        """Scores one chunk: packed along ``plan``, or padded when it is None."""
+        if plan is None:  # score_trajectory: the reward callable in the graph, or given scores
+            reward = None if isinstance(self.reward_fn, FunctionReward) else self.reward_fn
+        else:  # packed_score_trajectory: the reward model itself, or given scores
+            reward = self.reward_fn.model if isinstance(self.reward_fn, ModelReward) else None
         return self._score(
             query_responses,
             prompt_lens.to(query_responses.device),
@@ -220,8 +222,9 @@ class Rollout:
             None,
             self.ref_policy_model,
             self.value_model,
-            self.reward_fn if in_graph else None,
+            reward,
             self.stop_token_ids,
+            *(plan or ()),
             prompt_len=self.generator.max_prompt_len,
             pad_id=self.pad_id,
             temperature=self.generator.sampling["temperature"],
@@ -252,29 +255,6 @@ class Rollout:
             plans.append(mark_dynamic(plan) if self.compile_trajectory else plan)
             start = end
         return plans
-
-    def _score_packed(self, query_responses: torch.Tensor, prompt_lens: torch.Tensor,
-                      logprobs: torch.Tensor, scores: Optional[torch.Tensor],
-                      plan: PackedScoring) -> Trajectory:
-        reward_model = self.reward_fn.model if isinstance(self.reward_fn, ModelReward) else None
-        return self._score(
-            query_responses,
-            prompt_lens.to(query_responses.device),
-            logprobs,
-            None,
-            self.ref_policy_model,
-            self.value_model,
-            reward_model,
-            self.stop_token_ids,
-            *plan,
-            prompt_len=self.generator.max_prompt_len,
-            pad_id=self.pad_id,
-            temperature=self.generator.sampling["temperature"],
-            penalise_no_eos=self.penalise_no_eos,
-            min_response_length=self.min_response_length,
-            reward_penalty=self.reward_penalty,
-            scores=scores,
-        )
 
     def _fused_chunk(self, prompts: torch.Tensor, prompt_lens: torch.Tensor,
                      rng: Optional[torch.Generator]) -> Trajectory:
