@@ -14,6 +14,7 @@ One PPO step reads as:
 """
 
 import sys
+from contextlib import nullcontext
 from functools import partial
 from itertools import chain
 from types import SimpleNamespace
@@ -132,13 +133,12 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._profiler = training.setup_torch_profiler(enabled=False)[0] if cfg.profiler is None \
             else config.instantiate(cfg.profiler)[0]
         self._epsilon, self._value_clip_range, self._value_coeff = self._setup_loss(cfg.loss)
-        self._rollout = self._setup_rollout(cfg, reward_model)
         # Under FSDP generation runs on the whole policy, gathered once per step; compiled
-        # scoring (one graph, no FSDP hooks inside) on whole scoring models too. Eager scoring
-        # gathers them layer by layer; what stays gathered after is freed after the rollout.
+        # scoring (one graph, no FSDP hooks inside) on whole scoring models, gathered while it
+        # scores. Eager scoring gathers them layer by layer; what stays gathered after is freed
+        # after the rollout.
         self._scoring_models = [m for m in (self._ref_policy_model, self._value_model, reward_model) if m is not None]
-        compiled_scoring = self._compile.trajectory or self._compile.rollout
-        self._rollout_models = [self._policy_model, *(self._scoring_models if compiled_scoring else [])]
+        self._rollout = self._setup_rollout(cfg, reward_model)
         # FSDP2's hooks run outside dynamo: under FSDP the region breaks its graph at each
         # sharded module's forward (the pieces between are compiled).
         self._ppo_loss_step = maybe_compile(packed_ppo_loss_step, enabled=self._compile.loss_step,
@@ -202,6 +202,9 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             reward_penalty=cfg.reward_penalty,
             compile_trajectory=self._compile.trajectory and not self._compile.rollout,
             fused=self._compile.rollout,
+            generation_context=partial(distributed.gathered, self._policy_model),
+            scoring_context=partial(distributed.gathered, *self._scoring_models)
+            if self._compile.trajectory or self._compile.rollout else nullcontext,
         )
 
     def _load_training_state(self, checkpoint: str) -> None:
@@ -422,8 +425,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         timer = PhaseTimer(self._device)
         self._packed_tokens.reset()
         with timer("step"):
-            with distributed.gathered(*self._rollout_models):
-                trajectory = self._rollout(prompts, prompt_lens, self._rng, timer, references)
+            trajectory = self._rollout(prompts, prompt_lens, self._rng, timer, references)
             distributed.reshard(*self._scoring_models)  # what eager scoring's forwards left gathered
             bad_rows = int(distributed.all_reduce_sum((~trajectory.scores.isfinite()).sum()))
             if bad_rows:

@@ -73,7 +73,10 @@ def test_memory_plan_per_device_of_several_processes():
     assert two[2] == one[2] / 2 and two[3] == one[3] / 2 and two[4] == one[4] / 2  # grads, optimizer, KV cache
     assert len(one) == 6 and two[6] == n_policy * 4  # the policy gathered for generation
     sharded = plan(2, "shard_frozen_models=True", "compile=True")
-    assert sharded[0] == n_policy * 4 and sharded[6] == 2 * (n_policy + n_value) * 4  # all gathered to score
+    # the policy gathered to generate, then the reference, value and reward models to score
+    assert sharded[0] == n_policy * 4 and sharded[6] == max(n_policy, n_policy + 2 * n_value) * 4
+    fused = plan(2, "shard_frozen_models=True", "compile.rollout=True")
+    assert fused[6] == 2 * (n_policy + n_value) * 4  # one region: all four at once
 
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")

@@ -121,8 +121,9 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     On ``W`` processes each device holds ``1/W`` of the trained models' parameters, gradients
     and optimizer state, the frozen models whole (``1/W`` with ``shard_frozen_models``), the KV
     cache and micro-step of its ``1/W`` of the rows, and one more row: the models gathered
-    whole for the rollout (the policy; with compiled scoring also the value model and the
-    sharded frozen models). That row and the gradients never coexist; the total counts both.
+    whole for the rollout (the policy while generating; with compiled scoring then the value
+    model and the sharded frozen models while scoring; with ``compile.rollout`` all of them
+    at once). That row and the gradients never coexist; the total counts both.
     """
     W = world_size
     dtype_bytes = _DTYPE_BYTES[cfg.dtype]
@@ -164,12 +165,19 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     }
     if W > 1:
         compile_cfg = parse_compile(cfg.compile)
-        gathered, names = n_policy, ["policy"]
-        if compile_cfg.trajectory or compile_cfg.rollout:  # compiled scoring: on whole models
-            gathered, names = gathered + n_value, names + ["value"]
-            if frozen < 1:
-                gathered, names = gathered + n_policy + n_value, names + ["reference", "reward"]
-        rows[f"gathered whole for the rollout ({' + '.join(names)})"] = gathered * dtype_bytes
+        # Generation gathers the policy; compiled scoring, afterwards, the scoring models (the
+        # value model, and the frozen ones when sharded); compile.rollout all of them at once.
+        scoring, names = n_value, ["value"]
+        if frozen < 1:
+            scoring, names = scoring + n_policy + n_value, names + ["reference", "reward"]
+        if compile_cfg.rollout:
+            gathered, label = n_policy + scoring, f"policy + {' + '.join(names)}"
+        elif compile_cfg.trajectory:
+            gathered = max(n_policy, scoring)
+            label = f"policy, then {' + '.join(names)}"
+        else:
+            gathered, label = n_policy, "policy"
+        rows[f"gathered whole for the rollout ({label})"] = gathered * dtype_bytes
     device = str(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     activations = next(v for k, v in rows.items() if k.startswith("activations"))
     total = float(sum(rows.values()))

@@ -18,7 +18,8 @@
   either, which needs the lengths on the host, mid-region.
 """
 
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+import contextlib
+from typing import Callable, ContextManager, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -119,6 +120,9 @@ class Rollout:
         packed_scoring (bool): score on packed real tokens (split implementation, with a
             :class:`~torchtune_ppo.trajectory.ModelReward` or a function reward); False: the
             padded :func:`score_trajectory`, the reference the packed scoring is tested against.
+        generation_context (Callable[[], ContextManager]): entered around generation (under
+            FSDP: the policy gathered whole), ``scoring_context`` around scoring (the scoring
+            models gathered whole for a compiled scoring region); both around the fused region.
     """
 
     def __init__(
@@ -136,6 +140,8 @@ class Rollout:
         compile_trajectory: bool,
         fused: bool,
         packed_scoring: bool = True,
+        generation_context: Callable[[], ContextManager] = contextlib.nullcontext,
+        scoring_context: Callable[[], ContextManager] = contextlib.nullcontext,
     ) -> None:
         if fused and isinstance(reward_fn, FunctionReward):
             raise ValueError("compile.rollout traces the reward into one region with generation; "
@@ -147,6 +153,7 @@ class Rollout:
         self.pad_id, self.penalise_no_eos = pad_id, penalise_no_eos
         self.min_response_length, self.reward_penalty = min_response_length, float(reward_penalty)
         self.fused = fused
+        self._generation_context, self._scoring_context = generation_context, scoring_context
         self.compile_trajectory = compile_trajectory
         # Packed when the reward reads only each row's last valid token (a classifier), or
         # comes from outside; a custom RewardFn is handed padded rows.
@@ -175,16 +182,16 @@ class Rollout:
         n = self.generator.batch_size
         chunks = list(zip(prompts.split(n), prompt_lens.split(n)))
         if self.fused:
-            with timer("generate"), torch.no_grad():
+            with timer("generate"), torch.no_grad(), self._generation_context(), self._scoring_context():
                 trajectories = [self._fused_chunk(p, lens, rng) for p, lens in chunks]
         else:
-            with timer("generate"):
+            with timer("generate"), self._generation_context():
                 outputs = [self.generator.generate(p, lens, rng=rng) for p, lens in chunks]
             scores = [None] * len(outputs)
             if isinstance(self.reward_fn, FunctionReward):
                 with timer("reward"):
                     scores = self._function_scores(outputs, prompt_lens, references)
-            with timer("score"), torch.no_grad():
+            with timer("score"), torch.no_grad(), self._scoring_context():
                 plans = (self._plans(outputs, [lens for _, lens in chunks]) if self.packed
                          else [None] * len(outputs))
                 trajectories = [self._score_chunk(out.query_responses, lens, out.logprobs, chunk_scores, plan)
