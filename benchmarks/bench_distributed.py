@@ -8,8 +8,9 @@ reduce-scatters, the recipe's all-reduces and gathers: the ``torch.distributed``
 call to return, which includes waiting for the other rank) and books it to the phase it ran in.
 It reports the median over the steps after the first (warm-up, compilation) of each phase's
 seconds, and on 2 processes the seconds of that phase spent in collectives (mean over ranks).
-``gather`` is the policy (and, with compiled scoring, the scoring models) gathered once before
-generation and freed after scoring (``distributed.gathered``); ``other`` is the rest of the step.
+``gather`` is the policy gathered for generation and, with compiled scoring, the scoring models
+gathered for scoring, and their freeing (``distributed.gathered``), taken out of the generate and
+score phases it runs in; ``other`` is the rest of the step.
 Not counted: the one all-reduce of the global gradient norm (DTensor's functional collective).
 
 Part 2 (``torchrun`` workers on the random-weight demo-size policy, sharded as the recipe
@@ -22,6 +23,7 @@ the communication the recipe's way pays per generate call.
 """
 
 import argparse
+import collections
 import collections
 import contextlib
 import functools
@@ -58,7 +60,7 @@ class CollectiveClock:
 
     def __init__(self) -> None:
         self.phases, self.seconds = [], collections.Counter()
-        self.gather_seconds = 0.0
+        self.gather_seconds = collections.defaultdict(float)  # by the phase it ran inside
 
     def install(self) -> None:
         import torch.distributed as dist
@@ -83,11 +85,12 @@ class CollectiveClock:
 
         @contextlib.contextmanager
         def timed_gathered(*models):
+            inside = clock.phases[-1] if clock.phases else "step"
             clock.phases.append("gather")
             start = time.perf_counter()
             context = gathered(*models)
             context.__enter__()
-            clock.gather_seconds += time.perf_counter() - start
+            clock.gather_seconds[inside] += time.perf_counter() - start
             clock.phases.pop()
             try:
                 yield
@@ -95,7 +98,7 @@ class CollectiveClock:
                 clock.phases.append("gather")
                 start = time.perf_counter()
                 context.__exit__(None, None, None)
-                clock.gather_seconds += time.perf_counter() - start
+                clock.gather_seconds[inside] += time.perf_counter() - start
                 clock.phases.pop()
 
         distributed.gathered = timed_gathered
@@ -112,9 +115,9 @@ class CollectiveClock:
 
     def take(self) -> dict:
         """This step's seconds per phase (collectives, and the gather's own wall time); resets."""
-        out = {"collectives": dict(self.seconds), "gather": self.gather_seconds}
+        out = {"collectives": dict(self.seconds), "gather": dict(self.gather_seconds)}
         self.seconds.clear()
-        self.gather_seconds = 0.0
+        self.gather_seconds.clear()
         return out
 
 
@@ -133,7 +136,11 @@ def recipe_worker(steps: int, compiled: bool) -> None:
     def on_step(step, metrics):
         taken = clock.take()
         phase = {p: metrics.get(f"time/{p}", 0.0) for p in PHASES if p not in ("gather", "other")}
-        phase["gather"] = taken["gather"]
+        # The rollout gathers inside the generate and score phases: booked as "gather" instead.
+        for inside, seconds in taken["gather"].items():
+            if inside in phase and inside != "step":
+                phase[inside] -= seconds
+        phase["gather"] = sum(taken["gather"].values())
         phase["other"] = phase["step"] - sum(v for k, v in phase.items() if k != "step")
         booked = taken["collectives"]  # "step": in the step, outside its phases
         comm = {p: booked.get(p, 0.0) for p in PHASES if p not in ("step", "other")}
