@@ -15,8 +15,9 @@ from torchtune_ppo import rlhf
 from torchtune_ppo._compile import RecompileCounter, compile_count, maybe_compile
 from torchtune_ppo.generation import Generator
 from torchtune_ppo.packed_scoring import (
-    MIN_SIZE, first_fit_decreasing, mark_dynamic, packed_score_trajectory, plan_scoring,
+    MIN_SIZE, mark_dynamic, packed_score_trajectory, plan_scoring,
 )
+from torchtune_ppo.packing import plan_micro_steps
 from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.trajectory import ModelReward, score_trajectory
@@ -134,17 +135,19 @@ def test_plan_holds_real_tokens_only():
         plan_scoring([0, 3], [1, 1], prompt_len=P, response_len=T, num_chunks=1, device=qr.device)
 
 
-def test_first_fit_decreasing_places_whole_items_without_overlap():
+def test_scoring_placement_is_one_first_fit_decreasing_micro_step():
+    """plan_scoring places rows with the loss step's planner, as one micro-step of up to b rows."""
     sizes = [10, 3, 7, 9, 1, 5, 10, 2, 6]
-    starts, bins = first_fit_decreasing(sizes, 10)
+    places, step_rows, _ = plan_micro_steps(sizes, [1] * len(sizes), rows=len(sizes), row_len=10,
+                                            max_reads=len(sizes))
     cells = set()
-    for n, start in zip(sizes, starts):
-        assert start // 10 == (start + n - 1) // 10 < bins
+    for n, (step, start, _) in zip(sizes, places):
+        assert step == 0 and start // 10 == (start + n - 1) // 10 < step_rows[0]
         assert not cells & set(range(start, start + n))
         cells |= set(range(start, start + n))
-    assert bins == 6  # 53 slots in bins of 10: 10 | 10 | 9+1 | 7+3 | 6+2 | 5
+    assert step_rows == [6]  # 53 slots in rows of 10: 10 | 10 | 9+1 | 7+3 | 6+2 | 5
     with pytest.raises(ValueError, match="does not fit"):
-        first_fit_decreasing([11], 10)
+        plan_micro_steps([11], [1], rows=1, row_len=10, max_reads=1)
 
 
 # ----------------------------------------------------------------------------- Rollout

@@ -23,13 +23,13 @@ token. Reads are laid out as ``C`` chunks of ``K``, one output projection per ch
 largest float32 tensor is ``[K, V]``.
 """
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 
 from torchtune_ppo._torchtune_patches import final_hidden_states
-from torchtune_ppo.packing import MIN_SIZE, _to_device, block_causal_masks
+from torchtune_ppo.packing import MIN_SIZE, _to_device, block_causal_masks, plan_micro_steps
 from torchtune_ppo.trajectory import Trajectory, finish_trajectory, truncated
 
 
@@ -68,24 +68,6 @@ def scoring_chunks(batch_size: int, response_len: int, chunk_size: int = 256) ->
     return max(1, -(-batch_size * response_len // chunk_size))
 
 
-def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> Tuple[List[int], int]:
-    """Places items of ``sizes`` whole into bins of ``capacity``, largest first, each into the
-    first bin it fits. Returns each item's first slot (``bin * capacity + offset``) and the
-    number of bins used."""
-    used: List[int] = []
-    starts = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        n = sizes[i]
-        if n > capacity:
-            raise ValueError(f"a sequence of {n} tokens does not fit a row of {capacity}")
-        row = next((r for r, u in enumerate(used) if u + n <= capacity), len(used))
-        if row == len(used):
-            used.append(0)
-        starts[i] = row * capacity + used[row]
-        used[row] += n
-    return starts, len(used)
-
-
 def plan_scoring(
     prompt_lens: Sequence[int],
     valid_counts: Sequence[int],
@@ -118,7 +100,10 @@ def plan_scoring(
     if b and min(prompt_lens) < 1:
         raise ValueError(f"packed scoring needs at least one real prompt token per row, got {list(prompt_lens)}")
     counts = [p + v for p, v in zip(prompt_lens, valid_counts)]
-    starts, rows = first_fit_decreasing(counts, s)
+    # One micro-step of up to b rows: every sequence fits a row, so all of them fit.
+    places, (rows,), _ = plan_micro_steps(counts, valid_counts, rows=max(b, 1), row_len=s,
+                                          max_reads=max(sum(valid_counts), 1))
+    starts = [slot for _, slot, _ in places]
     slots = max(rows, MIN_SIZE) * s
     k = max(-(-sum(valid_counts) // num_chunks), MIN_SIZE)
 
