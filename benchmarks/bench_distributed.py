@@ -217,7 +217,7 @@ def generation_worker(repeats: int) -> None:
 
 def _launch(nproc: int, *args: str) -> dict:
     """This file with ``args`` on ``nproc`` processes (torchrun for more than 1); rank 0's RESULT."""
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"]
     cmd = [sys.executable, *launcher, __file__, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)

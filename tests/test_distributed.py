@@ -33,7 +33,9 @@ OVERRIDES = [
 
 def _launch(output_dir: Path, nproc: int, *extra: str, timeout: int = 150) -> str:
     """Runs the recipe; returns its console output."""
-    launch = ["run"] if nproc == 1 else ["run", "--nproc_per_node", str(nproc)]
+    # --standalone: a free port for the rendezvous, not torchrun's fixed 29500, which another
+    # run on the machine (or one that just ended, its socket still closing) may hold.
+    launch = ["run"] if nproc == 1 else ["run", "--nproc_per_node", str(nproc), "--standalone"]
     cmd = [*TUNE, *launch, "ppo_full_finetune", "--config", str(CONFIG),
            f"output_dir={output_dir}", *OVERRIDES, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
