@@ -65,7 +65,9 @@ class CollectiveClock:
     def install(self) -> None:
         import torch.distributed as dist
 
-        from torchtune_ppo import distributed, metrics
+        from torchtune_ppo import distributed
+
+        from torchtune_ppo.run import metrics
 
         for name in COLLECTIVES:
             setattr(dist, name, self._timed(getattr(dist, name)))
@@ -171,7 +173,7 @@ def recipe_worker(steps: int, compiled: bool) -> None:
 def generation_worker(repeats: int) -> None:
     """Part 2, under torchrun: generation with the parameters gathered once vs per forward."""
     from torchtune_ppo import distributed
-    from torchtune_ppo.generation import Generator
+    from torchtune_ppo.rollout.generation import Generator
     from torchtune_ppo.tasks.tiny_sentiment import tiny_policy
 
     torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 """Generation benchmark: torchtune's ``generate`` (no cache, KV cache, compiled decode step)
-against ``torchtune_ppo.generation.Generator`` (eager, compiled), on one random-weight model.
+against ``torchtune_ppo.rollout.generation.Generator`` (eager, compiled), on one random-weight model.
 
 Each variant generates the same left-padded batch with the same sampling settings and no stop
 tokens (every row runs the full length). Reported apart, as medians over ``--repeats`` calls
@@ -27,7 +27,7 @@ from torchtune.models.llama2._component_builders import llama2
 from torchtune.models.llama3_2._component_builders import llama3_2
 from torchtune.modules import local_kv_cache
 
-from torchtune_ppo.generation import Generator
+from torchtune_ppo.rollout.generation import Generator
 
 PAD = 0
 TOP_K = 50

@@ -14,7 +14,7 @@ run() {  # run <label> <cpu_threads> [VAR=value ...]
     log_samples_every_n_steps=null save_every_n_steps=null >/dev/null 2>&1
   python - "$label" "$out/run/logs" <<'PY'
 import statistics, sys
-from torchtune_ppo.logs import read_disk_log
+from torchtune_ppo.run.logs import read_disk_log
 rows = read_disk_log(sys.argv[2])
 print(f"  {sys.argv[1]:<36} median step {statistics.median(r['time/step'] for r in rows[1:]):.3f} s")
 PY

@@ -178,7 +178,7 @@ smoke_run() {
 import math
 import sys
 
-from torchtune_ppo.logs import read_disk_log
+from torchtune_ppo.run.logs import read_disk_log
 
 rows, want = read_disk_log(sys.argv[1]), int(sys.argv[2])
 keys = ("scores", "loss", "kl", "time/generate", "time/score", "time/loss_step",

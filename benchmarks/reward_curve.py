@@ -5,7 +5,7 @@
 
 import sys
 
-from torchtune_ppo.logs import read_disk_log
+from torchtune_ppo.run.logs import read_disk_log
 
 
 def main(log_dir: str) -> None:

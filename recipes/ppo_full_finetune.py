@@ -27,8 +27,12 @@ from torchtune import config, modules, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from torchtune_ppo import checkpointing, distributed, packing, rlhf
-from torchtune_ppo._compile import RecompileCounter, maybe_compile
+from torchtune_ppo.checkpointing import store as checkpointing
+
+from torchtune_ppo import distributed
+
+from torchtune_ppo.ppo import packing, rlhf
+from torchtune_ppo.compile import RecompileCounter, maybe_compile
 from torchtune_ppo.config import (
     check_cli_overrides,
     cpu_threads,
@@ -40,17 +44,17 @@ from torchtune_ppo.config import (
     validate_with_tokenizer,
 )
 from torchtune_ppo.data import left_pad_prompts
-from torchtune_ppo.generation import Generator
-from torchtune_ppo.guards import SkippedSteps
-from torchtune_ppo.interrupt import stop_on_signals
-from torchtune_ppo.loss_step import packed_ppo_loss_step
-from torchtune_ppo.memory import check_plan
-from torchtune_ppo.metrics import PackedTokens, PhaseTimer, step_metrics
-from torchtune_ppo.optim import InBackwardOptimizer, build_optimizer
+from torchtune_ppo.rollout.generation import Generator
+from torchtune_ppo.run.guards import SkippedSteps
+from torchtune_ppo.run.interrupt import stop_on_signals
+from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
+from torchtune_ppo.run.memory import check_plan
+from torchtune_ppo.run.metrics import PackedTokens, PhaseTimer, step_metrics
+from torchtune_ppo.run.optim import InBackwardOptimizer, build_optimizer
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rewards import FunctionReward
-from torchtune_ppo.trajectory import ModelReward, Trajectory
-from torchtune_ppo.watch import log_samples, progress, run_summary, sample_rows
+from torchtune_ppo.rollout.trajectory import ModelReward, Trajectory
+from torchtune_ppo.run.watch import log_samples, progress, run_summary, sample_rows
 
 log = utils.get_logger("INFO")
 
@@ -368,7 +372,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     ) -> List[rlhf.PPOStats]:
         """Loss and gradients of one minibatch (trajectory rows in micro-batches), packed.
 
-        Returns one :class:`~torchtune_ppo.rlhf.PPOStats` per micro-batch, scaled by
+        Returns one :class:`~torchtune_ppo.ppo.rlhf.PPOStats` per micro-batch, scaled by
         ``1 / gradient_accumulation_steps``.
         """
         valid_totals = None

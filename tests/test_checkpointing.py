@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torchtune import config, training
 
 import torchtune_ppo
-from torchtune_ppo import checkpointing as ckpt
+from torchtune_ppo.checkpointing import store as ckpt
 
 HF = "torchtune.training.FullModelHFCheckpointer"
 
@@ -152,7 +152,7 @@ _CRASH_SCRIPT = textwrap.dedent("""
     import json, os, sys
     from omegaconf import OmegaConf
     from torchtune import config, training
-    from torchtune_ppo import checkpointing as ckpt
+    from torchtune_ppo.checkpointing import store as ckpt
 
     out, policy, value = sys.argv[1], *(OmegaConf.create(json.loads(a)) for a in sys.argv[2:4])
     psd = config.instantiate(policy).load_checkpoint()[training.MODEL_KEY]

@@ -1,6 +1,6 @@
 import torch
 
-from torchtune_ppo._compile import RecompileCounter, maybe_compile
+from torchtune_ppo.compile import RecompileCounter, maybe_compile
 
 
 def test_maybe_compile_off_returns_the_eager_function():
@@ -35,7 +35,7 @@ def _global_compile_config():
 
 def test_compiling_our_regions_leaves_global_dynamo_config_alone():
     """A user's own torch.compile calls after ours must see the defaults they expect."""
-    from torchtune_ppo._compile import skip_guard_checks
+    from torchtune_ppo.compile import skip_guard_checks
 
     before = _global_compile_config()
 

@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 from torchtune import training
 from torchtune.training import FullModelHFCheckpointer
 
-from torchtune_ppo import memory
+from torchtune_ppo.run import memory
 from torchtune_ppo.config import validate_config
-from torchtune_ppo.logs import read_disk_log
+from torchtune_ppo.run.logs import read_disk_log
 from torchtune_ppo.tasks.tiny_sentiment import tiny_policy, tiny_reward
 
 ROOT = Path(__file__).parents[1]

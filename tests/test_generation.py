@@ -1,4 +1,4 @@
-"""Tests for torchtune_ppo.generation: parity with torchtune and with full forwards, eager vs
+"""Tests for torchtune_ppo.rollout.generation: parity with torchtune and with full forwards, eager vs
 compiled, stop tokens, odd inputs, and zero recompiles across batches and training steps.
 
 Compiling costs 15-90 s per region on a small CPU runner, so all compiled tests share two
@@ -11,8 +11,8 @@ import torch
 from torchtune import generation as tt_generation
 from torchtune.models.llama3_2._component_builders import llama3_2
 
-from torchtune_ppo.generation import GenerationOutput, Generator
-from torchtune_ppo.sampling import sample
+from torchtune_ppo.rollout.generation import GenerationOutput, Generator
+from torchtune_ppo.rollout.sampling import sample
 
 VOCAB, P, T, BATCH, PAD = 128, 10, 12, 4, 0
 SAMPLING = dict(temperature=0.7, top_k=40, top_p=0.9)

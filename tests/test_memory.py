@@ -5,7 +5,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 import torchtune_ppo  # noqa: F401  registers the config resolvers
-from torchtune_ppo import memory
+from torchtune_ppo.run import memory
 from torchtune_ppo.config import validate_config
 from torchtune_ppo.tasks.tiny_sentiment import tiny_policy, tiny_reward
 

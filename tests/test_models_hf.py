@@ -23,8 +23,8 @@ from torchtune.training import FullModelHFCheckpointer
 from hf_families import EOS_ID, FAMILIES, PAD_ID, Family, left_padded, padding_inputs
 from hf_standins import CONFIGS, STANDINS, StandIn, prompts_file
 from torchtune_ppo.config import validate_config, validate_with_tokenizer
-from torchtune_ppo.generation import Generator
-from torchtune_ppo.logs import read_disk_log
+from torchtune_ppo.rollout.generation import Generator
+from torchtune_ppo.run.logs import read_disk_log
 from torchtune_ppo.models import ClassifierHFCheckpointer, value_head_from_policy
 
 transformers = pytest.importorskip("transformers")
@@ -353,7 +353,7 @@ def test_torchtunes_own_ppo_config_runs(tmp_path_factory, tmp_path, caplog):
     # The same config run for two steps of 4 prompts (num_steps still counts prompts).
     small = ["batch_size=4", "forward_batch_size=2", "ppo_batch_size=2", "num_steps=8",
              "dtype=fp32", "compile=False", "max_generated_tokens=8", "min_response_length=4"]
-    from torchtune_ppo import config as ppo_config
+    from torchtune_ppo.config import checks as ppo_config
 
     ppo_config._NOTED.clear()  # notes are said once per process; earlier tests may have said them
     with caplog.at_level(logging.INFO):

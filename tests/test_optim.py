@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from torchtune_ppo.optim import build_optimizer, fused_by_default
+from torchtune_ppo.run.optim import build_optimizer, fused_by_default
 
 
 def _params(seed: int = 0):

@@ -11,16 +11,16 @@ import pytest
 import torch
 
 from conftest import EOS_ID, PAD_ID, VOCAB, left_padded_prompts, tiny_classifier, tiny_policy
-from torchtune_ppo import rlhf
-from torchtune_ppo._compile import RecompileCounter, compile_count, maybe_compile
-from torchtune_ppo.generation import Generator
-from torchtune_ppo.packed_scoring import (
+from torchtune_ppo.ppo import rlhf
+from torchtune_ppo.compile import RecompileCounter, compile_count, maybe_compile
+from torchtune_ppo.rollout.generation import Generator
+from torchtune_ppo.rollout.scoring import (
     MIN_SIZE, mark_dynamic, packed_score_trajectory, plan_scoring,
 )
-from torchtune_ppo.packing import plan_micro_steps
+from torchtune_ppo.ppo.packing import plan_micro_steps
 from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.rollout import Rollout
-from torchtune_ppo.trajectory import ModelReward, score_trajectory
+from torchtune_ppo.rollout.trajectory import ModelReward, score_trajectory
 
 P, T = 6, 7
 STOP = torch.tensor([EOS_ID])

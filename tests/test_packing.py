@@ -14,11 +14,11 @@ from torchtune.models.llama3_2._component_builders import llama3_2
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from conftest import EOS_ID, PAD_ID, VOCAB, left_padded_prompts, tiny_classifier, tiny_policy
-from torchtune_ppo import packing, rlhf
-from torchtune_ppo._compile import RecompileCounter, compile_count, maybe_compile
-from torchtune_ppo._torchtune_patches import final_hidden_states
-from torchtune_ppo.loss_step import packed_ppo_loss_step, ppo_loss_step
-from torchtune_ppo.trajectory import masks_and_positions, score_trajectory
+from torchtune_ppo.ppo import packing, rlhf
+from torchtune_ppo.compile import RecompileCounter, compile_count, maybe_compile
+from torchtune_ppo._patches.torchtune_modules import final_hidden_states
+from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step, ppo_loss_step
+from torchtune_ppo.rollout.trajectory import masks_and_positions, score_trajectory
 
 P, T = 6, 7
 HP = dict(temperature=0.7, epsilon=0.2, value_clip_range=0.2, value_coeff=0.1)

@@ -12,7 +12,7 @@ from torchtune.training import FullModelHFCheckpointer
 
 import torchtune_ppo
 from torchtune_ppo.tasks.tiny_sentiment import tiny_policy
-from torchtune_ppo.logs import read_disk_log
+from torchtune_ppo.run.logs import read_disk_log
 
 from conftest import ROOT, SMALL, TUNE
 from conftest import TINY_CONFIG as CONFIG
@@ -169,7 +169,7 @@ def test_arithmetic_task_trains_with_a_function_reward(tmp_path):
     assert "Run done: 3 steps logged" in proc.stderr and "checkpoints/step_3" in proc.stderr
     # the plot command turns the run's logs into one PNG
     png = tmp_path / "run.png"
-    subprocess.run([sys.executable, "-m", "torchtune_ppo.watch", str(out), "--out", str(png)],
+    subprocess.run([sys.executable, "-m", "torchtune_ppo.run.watch", str(out), "--out", str(png)],
                    check=True, capture_output=True, timeout=300)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     for row in rows:

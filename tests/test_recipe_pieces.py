@@ -10,10 +10,10 @@ from omegaconf import OmegaConf
 
 from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_policy
 from ppo_full_finetune import PhaseTimer, PPOFullFinetuneRecipe
-from torchtune_ppo import rlhf
+from torchtune_ppo.ppo import rlhf
 from torchtune_ppo.config import validate_config
-from torchtune_ppo.loss_step import ppo_loss_step
-from torchtune_ppo.trajectory import Trajectory, masks_and_positions, score_trajectory
+from torchtune_ppo.ppo.loss_step import ppo_loss_step
+from torchtune_ppo.rollout.trajectory import Trajectory, masks_and_positions, score_trajectory
 
 CONFIG = Path(__file__).parents[1] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
 SMALL = dict(
@@ -305,7 +305,7 @@ def test_lr_scheduler_follows_optimizer_steps_and_is_saved(make_recipe):
     # after 4 optimizer steps: progress (4 - 2) / 6, lr = base * (1 + cos(pi / 3)) / 2
     assert logged[0] == pytest.approx(base * 0.75, rel=1e-6)
     assert logged[1] == pytest.approx(0.0, abs=1e-12)  # 8 of 8 steps: the end of the cosine
-    from torchtune_ppo import checkpointing
+    from torchtune_ppo.checkpointing import store as checkpointing
 
     state = checkpointing.load_training_state(checkpointing.latest_checkpoint(cfg.output_dir))
     assert state["lr_scheduler"]["last_epoch"] == 8

@@ -30,9 +30,9 @@ from safetensors.torch import load_file
 from torchtune import config, training
 
 import torchtune_ppo
-from torchtune_ppo import checkpointing
+from torchtune_ppo.checkpointing import store as checkpointing
 from torchtune_ppo.config import validate_config
-from torchtune_ppo.logs import read_disk_log
+from torchtune_ppo.run.logs import read_disk_log
 from torchtune_ppo.tasks.tiny_sentiment import POLICY_DIMS, REWARD_DIMS
 
 from conftest import ROOT, TUNE

@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 from torchtune import config
 
-from torchtune_ppo import rewards
+from torchtune_ppo.rewards import functions as rewards
 from torchtune_ppo.rewards import (
     FunctionReward,
     RewardFunctionError,

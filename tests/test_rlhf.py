@@ -7,7 +7,7 @@ import torch
 from torchtune import rlhf as tt_rlhf
 from torchtune.rlhf.loss import PPOLoss
 
-from torchtune_ppo import rlhf
+from torchtune_ppo.ppo import rlhf
 
 T = torch.tensor
 

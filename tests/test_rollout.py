@@ -3,10 +3,10 @@
 import torch
 
 from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_policy
-from torchtune_ppo._compile import maybe_compile
-from torchtune_ppo.generation import Generator
+from torchtune_ppo.compile import maybe_compile
+from torchtune_ppo.rollout.generation import Generator
 from torchtune_ppo.rollout import fused_rollout
-from torchtune_ppo.trajectory import ModelReward, score_trajectory
+from torchtune_ppo.rollout.trajectory import ModelReward, score_trajectory
 
 P, T, B = 6, 4, 3
 STOP = torch.tensor([EOS_ID])

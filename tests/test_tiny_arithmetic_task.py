@@ -14,7 +14,7 @@ from torchtune.training import MODEL_KEY, FullModelHFCheckpointer
 
 import torchtune_ppo.tasks.tiny_arithmetic as task
 from torchtune_ppo import asset_path
-from torchtune_ppo.datasets import collate_references, prompt_dataset
+from torchtune_ppo.data.datasets import collate_references, prompt_dataset
 from torchtune_ppo.rewards import ExactMatch, FunctionReward
 from torchtune_ppo.tasks.tiny_arithmetic import build
 

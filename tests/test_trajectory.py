@@ -4,7 +4,7 @@ import torch
 from torchtune import generation, rlhf as tt_rlhf
 
 from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_policy
-from torchtune_ppo.trajectory import ModelReward, masks_and_positions, score_trajectory
+from torchtune_ppo.rollout.trajectory import ModelReward, masks_and_positions, score_trajectory
 
 P, T = 6, 5
 STOP = torch.tensor([EOS_ID])
@@ -104,7 +104,7 @@ def test_scores_do_not_depend_on_left_padding(models):
 
 @torch.no_grad()
 def test_compiled_trajectory_equals_eager(models):
-    from torchtune_ppo._compile import maybe_compile
+    from torchtune_ppo.compile import maybe_compile
 
     _, ref, value, reward = models
     prompts, qr = _batch()

@@ -61,3 +61,18 @@ def run_id() -> str:
 # command twice never meets the first run's checkpoints; resuming names the folder explicitly.
 if not OmegaConf.has_resolver("ppo_run_id"):
     _register("ppo_run_id", run_id)
+
+# `_component_` paths that shipped before the library was split into stages, kept for one
+# release: torchtune resolves a dotted path by getattr first, so these names still load.
+_MOVED = {"datasets": "torchtune_ppo.data"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        import importlib
+        import warnings
+
+        warnings.warn(f"torchtune_ppo.{name} moved to {_MOVED[name]}; the old path will be removed "
+                      "in the next release.", FutureWarning, stacklevel=2)
+        return importlib.import_module(_MOVED[name])
+    raise AttributeError(f"module 'torchtune_ppo' has no attribute {name!r}")

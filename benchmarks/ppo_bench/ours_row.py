@@ -21,7 +21,7 @@ def run_ours_row(cfg_dict: Dict[str, Any]) -> Dict[str, Any]:
     from omegaconf import OmegaConf
     from ppo_full_finetune import PPOFullFinetuneRecipe
 
-    from torchtune_ppo._compile import compile_count
+    from torchtune_ppo.compile import compile_count
     from torchtune_ppo.config import validate_config
 
     cfg = validate_config(OmegaConf.create(cfg_dict))

@@ -59,7 +59,7 @@ def load_torchtune_recipe() -> type:
 
 def timed_recipe_class(base: type) -> type:
     """A subclass of torchtune's recipe class ``base`` that times each PPO step's phases."""
-    from torchtune_ppo._compile import compile_count
+    from torchtune_ppo.compile import compile_count
 
     class TimedPPORecipe(base):
         """torchtune's recipe; ``self.bench.steps`` holds one dict of times per PPO step."""

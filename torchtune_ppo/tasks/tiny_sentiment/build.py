@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torchtune.models.llama2 import Llama2Tokenizer
 from torchtune.modules import TransformerDecoder
 
-from torchtune_ppo.rlhf import truncate_after_stop_token
+from torchtune_ppo.ppo.rlhf import truncate_after_stop_token
 from torchtune_ppo.tasks.tiny_sentiment import (
     BOS_ID,
     EOS_ID,
@@ -48,7 +48,7 @@ from torchtune_ppo.tasks.tiny_sentiment import (
     tiny_reward,
     tiny_tokenizer,
 )
-from torchtune_ppo.trajectory import ModelReward
+from torchtune_ppo.rollout.trajectory import ModelReward
 
 BUILDER_VERSION = 1
 ASSETS_DIR = Path(__file__).parent / "assets"

@@ -1,18 +1,18 @@
 """Steps 2-6 on real tokens only: the scoring forwards on packed rows.
 
-:func:`~torchtune_ppo.trajectory.score_trajectory` runs the reference policy, the value model
+:func:`~torchtune_ppo.rollout.trajectory.score_trajectory` runs the reference policy, the value model
 and the reward model on padded ``[b, P + T]`` rows: left-padded prompts, responses padded after
 the stop token. Real tokens are often a third of those positions. Here each row's real tokens
 (its prompt's, then its response up to and including its last valid token) are packed whole,
 first-fit decreasing, into at most ``b`` rows of ``P + T`` slots, as the loss step packs its
-micro-steps (:mod:`torchtune_ppo.packing`): block-diagonal causal masks, positions from 0 per
+micro-steps (:mod:`torchtune_ppo.ppo.packing`): block-diagonal causal masks, positions from 0 per
 sequence, outputs projected only where read.
 
 :func:`plan_scoring` places the sequences on the host from each row's prompt length and valid
 response length (read in one sync after generation). :func:`packed_score_trajectory` is the
 region, compiled as one graph when ``compile.trajectory`` is on: it truncates, builds the
 packed tokens by a gather, runs the models, and gathers their outputs back into the ``[b, T]``
-and ``[b]`` tensors of the padded :class:`~torchtune_ppo.trajectory.Trajectory`, which it
+and ``[b]`` tensors of the padded :class:`~torchtune_ppo.rollout.trajectory.Trajectory`, which it
 returns with the same fields and meanings (padded masks and position ids included). The rows
 ``R`` and the chunk length ``K`` of the reads change with the length mix; :func:`mark_dynamic`
 marks them so the compiled region keeps one graph for every mix.
@@ -28,9 +28,9 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from torchtune_ppo._torchtune_patches import final_hidden_states
-from torchtune_ppo.packing import MIN_SIZE, _to_device, block_causal_masks, plan_micro_steps
-from torchtune_ppo.trajectory import Trajectory, finish_trajectory, truncated
+from torchtune_ppo._patches.torchtune_modules import final_hidden_states
+from torchtune_ppo.ppo.packing import MIN_SIZE, _to_device, block_causal_masks, plan_micro_steps
+from torchtune_ppo.rollout.trajectory import Trajectory, finish_trajectory, truncated
 
 
 class PackedScoring(NamedTuple):
@@ -192,11 +192,11 @@ def packed_score_trajectory(
     reward_penalty: float,
     scores: Optional[torch.Tensor] = None,
 ) -> Trajectory:
-    """:func:`~torchtune_ppo.trajectory.score_trajectory` with the forwards on packed rows.
+    """:func:`~torchtune_ppo.rollout.trajectory.score_trajectory` with the forwards on packed rows.
 
     Same arguments and result as ``score_trajectory``, except that the reward comes from
     ``reward_model``, a classifier with a ``[D, 1]`` output read at each row's last valid token
-    (what :class:`~torchtune_ppo.trajectory.ModelReward` wraps), or, when it is None, from
+    (what :class:`~torchtune_ppo.rollout.trajectory.ModelReward` wraps), or, when it is None, from
     ``scores``; and the fields of a :class:`PackedScoring` from :func:`plan_scoring` (for these
     rows' prompt lengths and valid response lengths) follow ``stop_token_ids``.
     """

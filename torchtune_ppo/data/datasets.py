@@ -71,7 +71,7 @@ def prompt_dataset(
     Config example (a local JSON file whose records are ``{"prompt": ..., "answer": ...}``)::
 
         dataset:
-          _component_: torchtune_ppo.datasets.prompt_dataset
+          _component_: torchtune_ppo.data.prompt_dataset
           source: json
           data_files: ${ppo_asset:tiny_arithmetic/problems.json}
           field: train          # records under this key of the JSON object

@@ -1,6 +1,6 @@
 """Watching a run: sampled responses, an end-of-run summary, and a plot of the logged metrics.
 
-    python -m torchtune_ppo.watch <output_dir> [--out run.png]
+    python -m torchtune_ppo.run.watch <output_dir> [--out run.png]
 
 draws reward, KL, response length and step time against the step from the run's DiskLogger
 file (``<output_dir>/logs``) into one PNG (matplotlib, ``pip install matplotlib``).
@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from torchtune_ppo.logs import read_disk_log
-from torchtune_ppo.trajectory import Trajectory
+from torchtune_ppo.run.logs import read_disk_log
+from torchtune_ppo.rollout.trajectory import Trajectory
 
 SAMPLES_FILE = "samples.jsonl"
 # (metric key, panel title) of each panel of the plot.

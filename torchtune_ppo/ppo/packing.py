@@ -21,12 +21,14 @@ all micro-steps of a minibatch equals the sum of the micro-batches' masked means
 ``1 / grad_accum``: the same loss, gradients and stats as the padded micro-batches.
 """
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from torchtune_ppo import rlhf
-from torchtune_ppo.trajectory import Trajectory
+from torchtune_ppo.ppo import rlhf
+
+if TYPE_CHECKING:  # the rollout imports this module's planner
+    from torchtune_ppo.rollout.trajectory import Trajectory
 
 
 class SequenceLengths(NamedTuple):
@@ -104,7 +106,7 @@ def logprob_chunks(max_reads: int, chunk_size: int = 256) -> int:
     return max(1, -(-max_reads // chunk_size))
 
 
-def sequence_lengths(trajectory: Trajectory, prompt_len: int) -> SequenceLengths:
+def sequence_lengths(trajectory: "Trajectory", prompt_len: int) -> SequenceLengths:
     """Reads each row's prompt length, response span and valid count to the host (one sync).
 
     The prompt length comes from the first response token's mask row, which attends to
@@ -169,7 +171,7 @@ def plan_micro_steps(
 
 
 def pack_minibatch(
-    trajectory: Trajectory,
+    trajectory: "Trajectory",
     advantages: torch.Tensor,
     returns: torch.Tensor,
     micro_batches: Sequence[Sequence[int]],
@@ -316,7 +318,7 @@ def block_causal_masks(segment_ids: torch.Tensor) -> torch.Tensor:
 def micro_batch_stats(step_stats: Sequence[rlhf.PPOStats]) -> List[rlhf.PPOStats]:
     """Per-micro-batch stats of a minibatch from its packed micro-steps' ``[grad_accum]`` stats.
 
-    Returns ``grad_accum`` :class:`~torchtune_ppo.rlhf.PPOStats` of 0-dim tensors, each already
+    Returns ``grad_accum`` :class:`~torchtune_ppo.ppo.rlhf.PPOStats` of 0-dim tensors, each already
     scaled by ``1 / grad_accum``, as the padded micro-batches return them.
     """
     totals = [torch.stack(field).sum(0) for field in zip(*step_stats)]  # each [grad_accum]

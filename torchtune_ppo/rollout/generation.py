@@ -2,7 +2,7 @@
 
 gpt-fast style: :func:`prefill` and :func:`generate_next_token` are plain functions that
 sample inside the step (no host sync), and :class:`Generator` wraps them with
-:func:`torchtune_ppo._compile.maybe_compile`. Every shape is fixed by ``batch_size``,
+:func:`torchtune_ppo.compile.maybe_compile`. Every shape is fixed by ``batch_size``,
 ``max_prompt_len`` and ``max_generated_tokens``; the KV cache, masks and positions live in
 buffers allocated once and updated in place, so each region compiles once.
 
@@ -24,16 +24,16 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import torch
 from torchtune.modules import TransformerDecoder
 
-from torchtune_ppo import rlhf
-from torchtune_ppo._compile import (
+from torchtune_ppo.ppo import rlhf
+from torchtune_ppo.compile import (
     CUDAGRAPH_MODES,
     maybe_compile,
     skip_guard_checks,
     without_cudagraphs,
 )
-from torchtune_ppo._torchtune_patches import StaticKVCache
+from torchtune_ppo._patches.torchtune_modules import StaticKVCache
 from torchtune_ppo.config import check_compile_mode, check_sampling
-from torchtune_ppo.sampling import sample
+from torchtune_ppo.rollout.sampling import sample
 
 __all__ = ["GenerationInputs", "GenerationOutput", "Generator", "generate_next_token", "prefill"]
 

@@ -1,7 +1,7 @@
 """The PPO loss step: policy and value forward on a minibatch, then the clipped losses.
 
 :func:`packed_ppo_loss_step`, the recipe's, runs on packed micro-steps (real tokens only, see
-:mod:`torchtune_ppo.packing`) and projects to the vocabulary only where it reads a logprob.
+:mod:`torchtune_ppo.ppo.packing`) and projects to the vocabulary only where it reads a logprob.
 :func:`ppo_loss_step` is its padded twin on ``[b, P + T]`` trajectory rows, the reference the
 packed step is tested against. Either is compiled as one region when ``compile.loss_step`` is
 on; the caller runs ``loss.backward()`` on its output, which AOTAutograd compiles as well. It is
@@ -13,9 +13,9 @@ from typing import Tuple
 import torch
 from torch import nn
 
-from torchtune_ppo import rlhf
-from torchtune_ppo._torchtune_patches import final_hidden_states
-from torchtune_ppo.packing import block_causal_masks
+from torchtune_ppo.ppo import rlhf
+from torchtune_ppo._patches.torchtune_modules import final_hidden_states
+from torchtune_ppo.ppo.packing import block_causal_masks
 
 
 def ppo_loss_step(
@@ -117,7 +117,7 @@ def packed_ppo_loss_step(
 ) -> Tuple[torch.Tensor, rlhf.PPOStats]:
     """Forward both trained models on one packed micro-step; return its weighted PPO loss and stats.
 
-    The tensor arguments are the fields of :class:`~torchtune_ppo.packing.PackedMicroStep`:
+    The tensor arguments are the fields of :class:`~torchtune_ppo.ppo.packing.PackedMicroStep`:
     ``R`` rows of ``L`` packed tokens and ``C`` chunks of ``K`` reads; ``R`` and ``K`` vary from
     call to call (compiled: one graph, dynamic in both). The output projections run only on the
     read positions, the policy's one chunk at a time (no ``[R, L, V]`` logits; the largest

@@ -78,9 +78,11 @@ def _name(fn: Any) -> str:
     if isinstance(qualname, str):
         return f"{getattr(fn, '__module__', '?')}.{qualname}"
     cls = type(fn)
-    name = f"{cls.__module__}.{cls.__qualname__}"
+    # Built-ins are named by the package that exports them, as configs name them.
+    module = "torchtune_ppo.rewards" if cls.__module__.startswith("torchtune_ppo.rewards.") else cls.__module__
+    name = f"{module}.{cls.__qualname__}"
     # Built-ins print their settings; a bare object repr only adds an address.
-    return f"{cls.__module__}.{fn!r}" if cls.__repr__ is not object.__repr__ else name
+    return f"{module}.{fn!r}" if cls.__repr__ is not object.__repr__ else name
 
 
 def _quote(text: str) -> str:
@@ -270,7 +272,7 @@ class FunctionReward:
         prompt_len: int,
         stop_token_ids: Union[torch.Tensor, Sequence[int]],
     ) -> torch.Tensor:
-        """Score the rows of a truncated batch, as in :class:`~torchtune_ppo.trajectory.Trajectory`.
+        """Score the rows of a truncated batch, as in :class:`~torchtune_ppo.rollout.trajectory.Trajectory`.
 
         Args:
             query_responses (torch.Tensor): left-padded prompts then truncated responses ``[b, P + T]``.

@@ -10,8 +10,8 @@ from typing import Dict, Iterator, List
 
 import torch
 
-from torchtune_ppo import rlhf
-from torchtune_ppo.trajectory import Trajectory
+from torchtune_ppo.ppo import rlhf
+from torchtune_ppo.rollout.trajectory import Trajectory
 
 
 class PhaseTimer:

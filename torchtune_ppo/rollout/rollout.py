@@ -9,7 +9,7 @@
   chunk's prompt lengths and valid response lengths are read to the host in one sync (the
   generation has synced already), its sequences packed into rows, and the results gathered
   back into the padded :class:`Trajectory`. That covers a reward model wrapped in
-  :class:`~torchtune_ppo.trajectory.ModelReward` and a function reward; any other
+  :class:`~torchtune_ppo.rollout.trajectory.ModelReward` and a function reward; any other
   :data:`RewardFn` callable sees padded rows, so it is scored by the padded
   :func:`score_trajectory`, as is everything when ``packed_scoring`` is off;
 - fused (``compile.rollout``): :func:`fused_rollout`, the generation unrolled into
@@ -24,14 +24,14 @@ from typing import Callable, ContextManager, List, Optional, Sequence, Tuple, Un
 import torch
 from torch import nn
 
-from torchtune_ppo import rlhf
-from torchtune_ppo._compile import maybe_compile
-from torchtune_ppo.generation import Generator, generate_next_token, prefill
-from torchtune_ppo.packed_scoring import (
+from torchtune_ppo.ppo import rlhf
+from torchtune_ppo.compile import maybe_compile
+from torchtune_ppo.rollout.generation import Generator, generate_next_token, prefill
+from torchtune_ppo.rollout.scoring import (
     PackedScoring, mark_dynamic, packed_score_trajectory, plan_scoring, scoring_chunks,
 )
 from torchtune_ppo.rewards import FunctionReward
-from torchtune_ppo.trajectory import ModelReward, RewardFn, Trajectory, score_trajectory
+from torchtune_ppo.rollout.trajectory import ModelReward, RewardFn, Trajectory, score_trajectory
 
 
 def generate_unrolled(
@@ -108,7 +108,7 @@ class Rollout:
         ref_policy_model (nn.Module): frozen reference policy.
         value_model (nn.Module): value model returning ``[b, S, 1]``.
         reward_fn (Union[RewardFn, FunctionReward]): a reward model in the graph (e.g.
-            :class:`~torchtune_ppo.trajectory.ModelReward`), or a function of the decoded texts.
+            :class:`~torchtune_ppo.rollout.trajectory.ModelReward`), or a function of the decoded texts.
         stop_token_ids (torch.Tensor): ``[n_stop]`` on the models' device.
         pad_id (int): written after each row's first stop token.
         penalise_no_eos (bool): see :func:`score_trajectory`.
@@ -118,7 +118,7 @@ class Rollout:
             graph dynamic in the packed rows and reads; padded, one static graph.
         fused (bool): use :func:`fused_rollout`, compiled as one region.
         packed_scoring (bool): score on packed real tokens (split implementation, with a
-            :class:`~torchtune_ppo.trajectory.ModelReward` or a function reward); False: the
+            :class:`~torchtune_ppo.rollout.trajectory.ModelReward` or a function reward); False: the
             padded :func:`score_trajectory`, the reference the packed scoring is tested against.
         generation_context (Callable[[], ContextManager]): entered around generation (under
             FSDP: the policy gathered whole), ``scoring_context`` around scoring (the scoring

@@ -3,7 +3,7 @@
 The recipe prints it at start-up and refuses a plan that cannot fit the device; run it alone
 to size a config on a machine without the accelerator:
 
-    python -m torchtune_ppo.memory --config recipes/configs/llama3_2/1B_ppo.yaml [--nproc W] [key=value ...]
+    python -m torchtune_ppo.run.memory --config recipes/configs/llama3_2/1B_ppo.yaml [--nproc W] [key=value ...]
 
 With ``--nproc W`` (the recipe passes its own process count) the plan is per device of a
 ``torchrun`` run on ``W`` processes.
@@ -23,7 +23,7 @@ from torchtune import config as tt_config
 
 from torchtune_ppo import distributed
 from torchtune_ppo.config import parse_compile
-from torchtune_ppo.packing import default_rows
+from torchtune_ppo.ppo.packing import default_rows
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # torch.optim.AdamW keeps two states per parameter in the parameter's dtype; SGD with momentum

@@ -5,7 +5,7 @@ it compiles as one graph. It is always called under ``torch.no_grad()`` with the
 so it compiles once. It runs the models on padded ``[b, P + T]`` rows: it is what
 ``compile.rollout`` traces with the generation, what a custom :data:`RewardFn` is scored
 with, and the reference twin of the packed scoring the recipe uses otherwise
-(:func:`~torchtune_ppo.packed_scoring.packed_score_trajectory`, the same
+(:func:`~torchtune_ppo.rollout.scoring.packed_score_trajectory`, the same
 :class:`Trajectory` from forwards on real tokens only). Both share :func:`truncated` (step 4)
 and :func:`finish_trajectory` (penalties, step 6).
 """
@@ -15,8 +15,8 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from torchtune_ppo import rlhf
-from torchtune_ppo._torchtune_patches import final_hidden_states
+from torchtune_ppo.ppo import rlhf
+from torchtune_ppo._patches.torchtune_modules import final_hidden_states
 
 
 class Trajectory(NamedTuple):
@@ -48,7 +48,7 @@ class Trajectory(NamedTuple):
 # Reward source: (query_responses [b, S], masks [b, S, S], position_ids [b, S],
 # last_idx [b] index of each row's last valid token) -> scores [b]. It sees padded rows, so a
 # Rollout scores with it on padded rows; ModelReward, whose model is read at the last valid
-# token only, is scored on packed rows instead (torchtune_ppo.packed_scoring).
+# token only, is scored on packed rows instead (torchtune_ppo.rollout.scoring).
 RewardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

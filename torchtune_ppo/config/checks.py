@@ -385,7 +385,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     Args:
         cfg (DictConfig): the recipe config as parsed from YAML and the command line.
         check_machine (bool): also check that the checkpoint files exist and the device is
-            available here; off to plan a run for another machine (``torchtune_ppo.memory``).
+            available here; off to plan a run for another machine (``torchtune_ppo.run.memory``).
 
     Returns:
         DictConfig: a copy with every optional key set (``OPTIONAL_KEYS``).
