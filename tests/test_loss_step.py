@@ -8,8 +8,8 @@ from torchtune.rlhf.loss import PPOLoss
 
 from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_policy
 from torchtune_ppo.compile import maybe_compile
-from torchtune_ppo.ppo.loss_step import ppo_loss_step
 from torchtune_ppo.rollout.trajectory import masks_and_positions
+from twins.loss_step import ppo_loss_step
 
 P, T, B = 6, 5, 4
 HP = dict(prompt_len=P, temperature=0.7, epsilon=0.2, value_clip_range=0.2, value_coeff=0.1)

@@ -12,20 +12,23 @@ import torch
 
 from conftest import EOS_ID, PAD_ID, VOCAB, left_padded_prompts, tiny_classifier, tiny_policy
 from torchtune_ppo.ppo import rlhf
-from torchtune_ppo.compile import RecompileCounter, compile_count, maybe_compile
+from torchtune_ppo.compile import RecompileCounter, compile_count, maybe_compile, regions
+from torchtune_ppo.config import parse_compile
 from torchtune_ppo.rollout.generation import Generator
 from torchtune_ppo.rollout.scoring import (
-    MIN_SIZE, mark_dynamic, packed_score_trajectory, plan_scoring,
+    MIN_SIZE, packed_score_trajectory, plan_scoring,
 )
 from torchtune_ppo.ppo.packing import plan_micro_steps
 from torchtune_ppo.rewards import FunctionReward
+from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rollout import Rollout
-from torchtune_ppo.rollout.trajectory import ModelReward, score_trajectory
+from torchtune_ppo.rollout.fused import score_trajectory
+from torchtune_ppo.rollout.trajectory import ScoringSettings
 
 P, T = 6, 7
 STOP = torch.tensor([EOS_ID])
-KW = dict(prompt_len=P, pad_id=PAD_ID, temperature=0.7, penalise_no_eos=True,
-          min_response_length=2, reward_penalty=-3.0)
+SETTINGS = ScoringSettings(prompt_len=P, pad_id=PAD_ID, temperature=0.7, penalise_no_eos=True,
+                           min_response_length=2, reward_penalty=-3.0)
 CHUNKS = 3  # several output projections, of uneven fill
 
 RAGGED = dict(  # 1-token prompts, 1-token responses, rows without a stop token, a pad id in a prompt
@@ -91,8 +94,8 @@ def scoring_models():
 def test_packed_equals_padded_with_a_reward_model(scoring_models, mix):
     _, ref, value, reward = scoring_models
     qr, lens, logprobs = _batch(**mix)
-    padded = score_trajectory(qr, lens, logprobs, None, ref, value, ModelReward(reward), STOP, **KW)
-    packed = packed_score_trajectory(qr, lens, logprobs, None, ref, value, reward, STOP, *_plan(qr, lens), **KW)
+    padded = score_trajectory(qr, lens, logprobs, None, ref, value, ModelReward(reward), STOP, SETTINGS)
+    packed = packed_score_trajectory(qr, lens, logprobs, None, ref, value, reward, STOP, _plan(qr, lens), SETTINGS)
     _assert_same(packed, padded)
     valid = ~padded.response_padding_masks
     assert (padded.ref_logprobs[valid] != 0).all() and (padded.values[valid] != 0).all()
@@ -104,9 +107,9 @@ def test_packed_equals_padded_with_given_scores_and_computed_policy_logprobs(sco
     policy, ref, value, _ = scoring_models
     qr, lens, _ = _batch(**RAGGED)
     scores = torch.randn(len(lens))
-    padded = score_trajectory(qr, lens, None, policy, ref, value, None, STOP, scores=scores, **KW)
-    packed = packed_score_trajectory(qr, lens, None, policy, ref, value, None, STOP, *_plan(qr, lens),
-                                     scores=scores, **KW)
+    padded = score_trajectory(qr, lens, None, policy, ref, value, None, STOP, SETTINGS, scores=scores)
+    packed = packed_score_trajectory(qr, lens, None, policy, ref, value, None, STOP, _plan(qr, lens),
+                                     SETTINGS, scores=scores)
     _assert_same(packed, padded)
     assert (packed.logprobs - packed.ref_logprobs).abs().max() > 1e-2  # the policy's, not the reference's
 
@@ -166,36 +169,38 @@ class _Decoder:
         return " ".join(map(str, ids))
 
 
-def _rollout(gen, ref, value, reward_fn, packed):
-    return Rollout(gen, ref, value, reward_fn, STOP, pad_id=PAD_ID, penalise_no_eos=True,
-                   min_response_length=2, reward_penalty=-3.0, compile_trajectory=False,
-                   fused=False, packed_scoring=packed)
-
-
 @pytest.mark.parametrize("kind", ["model", "function"])
 @torch.no_grad()
 def test_rollout_packed_equals_padded(scoring_models, kind):
     policy, ref, value, reward = scoring_models
     gen = Generator(policy, batch_size=4, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD_ID,
-                    stop_token_ids=[EOS_ID], top_k=None)
-    reward_fn = ModelReward(reward) if kind == "model" else FunctionReward(_FixedScores([0.5, -1.0, 2.0, 1.5]), _Decoder())
+                    stop_token_ids=[EOS_ID], top_k=None, temperature=0.7)
+    fixed = [0.5, -1.0, 2.0, 1.5]  # per chunk of 4
+    reward_fn = ModelReward(reward) if kind == "model" else FunctionReward(_FixedScores(fixed), _Decoder())
     lens = torch.tensor([6, 1, 3, 4, 2, 5, 1, 6])  # two chunks of 4
     prompts = left_padded_prompts(lens.tolist(), P, seed=7)
     timer = lambda phase: contextlib.nullcontext()  # noqa: E731
-    packed_rollout = _rollout(gen, ref, value, reward_fn, packed=True)
-    assert packed_rollout.packed
-    packed = packed_rollout(prompts, lens, torch.Generator().manual_seed(0), timer)
-    padded = _rollout(gen, ref, value, reward_fn, packed=False)(prompts, lens, torch.Generator().manual_seed(0), timer)
+    rollout = Rollout(gen, ref, value, reward_fn, STOP, SETTINGS, regions(parse_compile(False)))
+    packed = rollout(prompts, lens, torch.Generator().manual_seed(0), timer)
+    # the same responses (same seed), scored on padded rows by the reference twin
+    rng, padded = torch.Generator().manual_seed(0), []
+    in_graph = ModelReward(reward) if kind == "model" else (lambda qr, masks, pos, last: torch.tensor(fixed))
+    for p, n in zip(prompts.split(4), lens.split(4)):
+        out = gen.generate(p, n, rng=rng)
+        padded.append(score_trajectory(out.query_responses, n, out.logprobs, None, ref, value, in_graph,
+                                       STOP, SETTINGS))
+    padded = type(packed)(*map(torch.cat, zip(*padded)))
     _assert_same(packed, padded)
     assert not padded.response_padding_masks.all(-1).any()
 
 
-def test_a_custom_reward_callable_keeps_the_padded_scoring(scoring_models):
+def test_a_custom_reward_callable_is_refused(scoring_models):
     policy, ref, value, _ = scoring_models
     gen = Generator(policy, batch_size=2, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD_ID,
-                    stop_token_ids=[EOS_ID])
-    rollout = _rollout(gen, ref, value, lambda qr, masks, pos, last: torch.zeros(len(qr)), packed=True)
-    assert not rollout.packed and rollout._score is score_trajectory
+                    stop_token_ids=[EOS_ID], temperature=0.7)
+    with pytest.raises(TypeError, match="ModelReward or a FunctionReward"):
+        Rollout(gen, ref, value, lambda qr, masks, pos, last: torch.zeros(len(qr)), STOP, SETTINGS,
+                regions(parse_compile(False)))
 
 
 # ----------------------------------------------------------------------------- compiled
@@ -217,8 +222,8 @@ def test_compiled_packed_equals_padded_and_compiles_once(compiled, scoring_model
         qr, lens, logprobs = _batch(**mix, seed=seed)
         plan = _plan(qr, lens)
         shapes.add((plan.token_src.shape[0], plan.read_positions.shape[1]))
-        packed = compiled(qr, lens, logprobs, None, ref, value, reward, STOP, *mark_dynamic(plan), **KW)
-        padded = score_trajectory(qr, lens, logprobs, None, ref, value, ModelReward(reward), STOP, **KW)
+        packed = compiled(qr, lens, logprobs, None, ref, value, reward, STOP, plan.mark_dynamic(), SETTINGS)
+        padded = score_trajectory(qr, lens, logprobs, None, ref, value, ModelReward(reward), STOP, SETTINGS)
         _assert_same(packed, padded)
         if call == 0:
             assert compile_count() - graphs == 1  # one graph for every length mix

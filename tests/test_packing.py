@@ -17,8 +17,10 @@ from conftest import EOS_ID, PAD_ID, VOCAB, left_padded_prompts, tiny_classifier
 from torchtune_ppo.ppo import packing, rlhf
 from torchtune_ppo.compile import RecompileCounter, compile_count, maybe_compile
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states
-from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step, ppo_loss_step
-from torchtune_ppo.rollout.trajectory import masks_and_positions, score_trajectory
+from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
+from torchtune_ppo.rollout.fused import score_trajectory
+from torchtune_ppo.rollout.trajectory import ScoringSettings, masks_and_positions
+from twins.loss_step import ppo_loss_step
 
 P, T = 6, 7
 HP = dict(temperature=0.7, epsilon=0.2, value_clip_range=0.2, value_coeff=0.1)
@@ -38,8 +40,8 @@ def _trajectory(policy, value, prompt_lens, stops, seed=0):
         traj = score_trajectory(
             torch.cat([prompts, responses], 1), torch.tensor(prompt_lens), None, policy,
             policy, value, lambda *args: torch.zeros(b), torch.tensor([EOS_ID]),
-            prompt_len=P, pad_id=PAD_ID, temperature=HP["temperature"], penalise_no_eos=True,
-            min_response_length=None, reward_penalty=-3.0,
+            ScoringSettings(prompt_len=P, pad_id=PAD_ID, temperature=HP["temperature"], penalise_no_eos=True,
+                            min_response_length=None, reward_penalty=-3.0),
         )
     valid = ~traj.response_padding_masks
     # old logprobs and values away from the current ones, so ratios and value clipping engage
@@ -97,7 +99,7 @@ def _packed(step_fn, policy, value, traj, advantages, returns, micro_batches, ro
     )
     step_stats, total = [], 0.0
     for step in steps:
-        loss, s = step_fn(policy, value, *packing.mark_dynamic(step),
+        loss, s = step_fn(policy, value, *step.mark_dynamic(),
                           num_micro_batches=len(micro_batches), **HP)
         loss.backward()
         step_stats.append(s)

@@ -12,8 +12,10 @@ from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_
 from ppo_full_finetune import PhaseTimer, PPOFullFinetuneRecipe
 from torchtune_ppo.ppo import rlhf
 from torchtune_ppo.config import validate_config
-from torchtune_ppo.ppo.loss_step import ppo_loss_step
-from torchtune_ppo.rollout.trajectory import Trajectory, masks_and_positions, score_trajectory
+from torchtune_ppo.ppo.advantages import estimate_advantages
+from torchtune_ppo.rollout.fused import score_trajectory
+from torchtune_ppo.rollout.trajectory import ScoringSettings, Trajectory, masks_and_positions
+from twins.loss_step import ppo_loss_step
 
 CONFIG = Path(__file__).parents[1] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
 SMALL = dict(
@@ -74,13 +76,20 @@ def _trajectory(recipe, cfg, scores):
             recipe._value_model,
             lambda tokens, masks, position_ids, last_idx: scores,
             torch.tensor([EOS_ID]),
-            prompt_len=p,
-            pad_id=PAD_ID,
-            temperature=float(cfg.temperature),
-            penalise_no_eos=True,
-            min_response_length=None,
-            reward_penalty=-3.0,
+            ScoringSettings(prompt_len=p, pad_id=PAD_ID, temperature=float(cfg.temperature),
+                            penalise_no_eos=True, min_response_length=None, reward_penalty=-3.0),
         )
+
+
+def _advantages(cfg, trajectory):
+    """The advantages the recipe computes for ``trajectory`` with ``cfg``'s keys."""
+    return estimate_advantages(trajectory, kl_coeff=cfg.kl_coeff, gamma=cfg.gamma, lmbda=cfg.lmbda,
+                               whiten_rewards=cfg.whiten_rewards)
+
+
+def _update(recipe, trajectory, advantages, returns):
+    """The recipe's PPO update of one step; returns the applied micro-batches' stats."""
+    return recipe._update(trajectory, advantages, returns, PhaseTimer(CPU), step=1).stats
 
 
 def _loss_kwargs(cfg):
@@ -126,12 +135,12 @@ def test_accumulated_update_equals_sgd_step_on_the_minibatch_mean_gradient(make_
     # one minibatch of 4 rows in 2 micro-batches of 2, one epoch
     recipe, cfg = make_recipe(batch_size=4, ppo_epochs=1, **SGD)
     trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
-    advantages, returns, _, _ = recipe.estimate_advantages(trajectory, PhaseTimer(CPU))
+    advantages, returns, _, _ = _advantages(cfg, trajectory)
     before = _params(recipe)
     policy, value = copy.deepcopy(recipe._policy_model), copy.deepcopy(recipe._value_model)
     grads, full_stats = _full_batch_grads(policy, value, trajectory, advantages, returns, cfg)
 
-    stats = recipe.ppo_update(trajectory, advantages, returns, PhaseTimer(CPU))
+    stats = _update(recipe, trajectory, advantages, returns)
 
     assert len(stats) == 2  # two micro-batches
     assert max(g.abs().max().item() for g in grads) > 1e-3  # the step is not trivially zero
@@ -145,7 +154,7 @@ def test_consecutive_minibatches_do_not_accumulate_into_each_other(make_recipe):
     # two epochs over one 4-row minibatch: two optimizer steps on the same rows
     recipe, cfg = make_recipe(batch_size=4, ppo_epochs=2, **SGD)
     trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
-    advantages, returns, _, _ = recipe.estimate_advantages(trajectory, PhaseTimer(CPU))
+    advantages, returns, _, _ = _advantages(cfg, trajectory)
     policy, value = copy.deepcopy(recipe._policy_model), copy.deepcopy(recipe._value_model)
     params = [p for m in (policy, value) for p in m.parameters()]
     for _ in range(2):  # theta_{k+1} = theta_k - LR * grad(theta_k), fresh gradients each step
@@ -154,7 +163,7 @@ def test_consecutive_minibatches_do_not_accumulate_into_each_other(make_recipe):
             for p, g in zip(params, grads):
                 p -= LR * g
 
-    recipe.ppo_update(trajectory, advantages, returns, PhaseTimer(CPU))
+    _update(recipe, trajectory, advantages, returns)
 
     _assert_params_close(_params(recipe), [p.detach() for p in params])
     assert all(p.grad is None for p in _trained(recipe))
@@ -177,13 +186,13 @@ def _hand_trajectory(scores, logprobs, ref_logprobs, valid):
 
 
 def test_estimate_advantages_returns_are_score_plus_kl_rewards_to_go(tmp_path):
-    recipe = PPOFullFinetuneRecipe(_config(tmp_path, kl_coeff=0.5, gamma=1.0, lmbda=1.0))
+    cfg = _config(tmp_path, kl_coeff=0.5, gamma=1.0, lmbda=1.0)
     valid = torch.tensor([[True, True, False, False], [True, True, True, True]])
     logprobs = torch.tensor([[-1.0, -2.0, -9.0, -9.0], [-1.0, -1.0, -1.0, -1.0]])
     ref_logprobs = torch.tensor([[-1.5, -1.0, 0.0, 0.0], [-2.0, -1.0, -1.0, -3.0]])
     trajectory = _hand_trajectory(torch.tensor([3.0, -1.0]), logprobs, ref_logprobs, valid)
 
-    advantages, returns, kl, kl_rewards = recipe.estimate_advantages(trajectory, PhaseTimer(CPU))
+    advantages, returns, kl, kl_rewards = _advantages(cfg, trajectory)
 
     # kl = logprobs - ref on valid tokens: [0.5, -1], [1, 0, 0, 2]; kl_rewards = -0.5 * kl
     torch.testing.assert_close(kl, torch.tensor([[0.5, -1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 2.0]]))
@@ -203,7 +212,7 @@ def test_estimate_advantages_returns_are_score_plus_kl_rewards_to_go(tmp_path):
 
 
 def test_changing_one_score_moves_only_that_rows_returns_by_the_change(tmp_path):
-    recipe = PPOFullFinetuneRecipe(_config(tmp_path, kl_coeff=0.0, gamma=1.0, lmbda=1.0))
+    cfg = _config(tmp_path, kl_coeff=0.0, gamma=1.0, lmbda=1.0)
     g = torch.Generator().manual_seed(0)
     valid = torch.arange(6) < torch.tensor([[6], [3], [1]])
     logprobs, ref_logprobs = -torch.rand(3, 6, generator=g), -torch.rand(3, 6, generator=g)
@@ -211,8 +220,8 @@ def test_changing_one_score_moves_only_that_rows_returns_by_the_change(tmp_path)
     before = _hand_trajectory(scores, logprobs, ref_logprobs, valid)
     after = before._replace(scores=torch.tensor([0.5, 6.0, 2.0]))  # row 1: +7
 
-    _, returns_before, _, _ = recipe.estimate_advantages(before, PhaseTimer(CPU))
-    adv_after, returns_after, _, _ = recipe.estimate_advantages(after, PhaseTimer(CPU))
+    _, returns_before, _, _ = _advantages(cfg, before)
+    adv_after, returns_after, _, _ = _advantages(cfg, after)
 
     # no KL penalty, no values, no discount: every valid token's return is its row's score
     torch.testing.assert_close(returns_before, scores[:, None] * valid, atol=1e-6, rtol=0)
@@ -277,17 +286,17 @@ def test_optimizer_in_backward_takes_the_same_step(make_recipe):
     plain_recipe, cfg = make_recipe(batch_size=4, ppo_epochs=2, **dict(SGD, gradient_accumulation_steps=1))
     bwd_recipe, _ = make_recipe(batch_size=4, ppo_epochs=2, **bwd)
     trajectory = _trajectory(plain_recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
-    advantages, returns, _, _ = plain_recipe.estimate_advantages(trajectory, PhaseTimer(CPU))
+    advantages, returns, _, _ = _advantages(cfg, trajectory)
     before = _params(bwd_recipe)
     torch.manual_seed(0)
-    plain_recipe.ppo_update(trajectory, advantages, returns, PhaseTimer(CPU))
+    _update(plain_recipe, trajectory, advantages, returns)
     torch.manual_seed(0)
-    stats = bwd_recipe.ppo_update(trajectory, advantages, returns, PhaseTimer(CPU))
+    stats = _update(bwd_recipe, trajectory, advantages, returns)
     assert len(stats) == 2
     assert max((a - b).abs().max().item() for a, b in zip(_params(bwd_recipe), before)) > 1e-4
     _assert_params_close(_params(bwd_recipe), _params(plain_recipe))
     assert all(p.grad is None for p in _trained(bwd_recipe))
-    state = bwd_recipe._optimizer.state_dict()
+    state = bwd_recipe._update.optimizer.state_dict()
     assert set(state) == {"policy", "value"} and "output.weight" in state["value"]
 
 

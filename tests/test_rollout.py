@@ -1,16 +1,20 @@
-"""Steps 1-6 as one region (compile.rollout): equal to the split path, compiled equal to eager."""
+"""The rollout: steps 1-6 as one region (compile.rollout) equal to the split path and compiled
+equal to eager; a function reward through :class:`Rollout` equal to the same scores in the graph."""
 
 import torch
 
 from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_policy
-from torchtune_ppo.compile import maybe_compile
+from torchtune_ppo.compile import maybe_compile, regions
+from torchtune_ppo.config import parse_compile
+from torchtune_ppo.rewards.model import ModelReward
+from torchtune_ppo.rollout.fused import fused_rollout, score_trajectory
 from torchtune_ppo.rollout.generation import Generator
-from torchtune_ppo.rollout import fused_rollout
-from torchtune_ppo.rollout.trajectory import ModelReward, score_trajectory
+from torchtune_ppo.rollout.trajectory import ScoringSettings
 
 P, T, B = 6, 4, 3
 STOP = torch.tensor([EOS_ID])
-KW = dict(pad_id=PAD_ID, penalise_no_eos=True, min_response_length=None, reward_penalty=-3.0)
+SETTINGS = ScoringSettings(prompt_len=P, pad_id=PAD_ID, temperature=1.0, penalise_no_eos=True,
+                           min_response_length=None, reward_penalty=-3.0)
 
 
 def _setup(top_k):
@@ -31,10 +35,10 @@ def test_greedy_rollout_equals_generate_then_score():
     prompts = left_padded_prompts(lens.tolist(), P, seed=5)
     out = gen.generate(prompts, lens)
     split = score_trajectory(out.query_responses, lens, out.logprobs, None, ref, value, reward, STOP,
-                             prompt_len=P, temperature=1.0, **KW)
+                             SETTINGS)
     with gen.kv_cache.decoding():
         gen.prepare(prompts, lens)
-        whole = fused_rollout(gen, gen.draw_noise(None, steps=T), lens, ref, value, reward, STOP, **KW)
+        whole = fused_rollout(gen, gen.draw_noise(None, steps=T), lens, ref, value, reward, STOP, SETTINGS)
     for name, a, b in zip(split._fields, split, whole):
         if a.is_floating_point():
             torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
@@ -54,7 +58,7 @@ def test_compiled_rollout_equals_eager():
             with gen.kv_cache.decoding():
                 gen.prepare(prompts, lens)
                 noise = gen.draw_noise(torch.Generator().manual_seed(seed), steps=T)
-                results.append(fn(gen, noise, lens, ref, value, reward, STOP, **KW))
+                results.append(fn(gen, noise, lens, ref, value, reward, STOP, SETTINGS))
         eager, comp = results
         for name, a, b in zip(eager._fields, eager, comp):
             if a.is_floating_point():
@@ -88,16 +92,16 @@ def test_function_reward_drives_the_trajectory_as_a_reward_model_would():
     gen, ref, value, _ = _setup(top_k=1)
     values = [0.5, -1.25, 2.0]
     fixed = torch.tensor(values)
-    kw = dict(pad_id=PAD_ID, penalise_no_eos=True, min_response_length=2, reward_penalty=-3.0,
-              compile_trajectory=False, fused=False)
+    settings = SETTINGS._replace(min_response_length=2)
     timer = lambda phase: __import__("contextlib").nullcontext()  # noqa: E731
     lens = torch.tensor([6, 2, 4])
     prompts = left_padded_prompts(lens.tolist(), P, seed=5)
     fn = _FixedScores(values)
-    by_function = Rollout(gen, ref, value, FunctionReward(fn, _Decoder()), STOP, **kw)(
-        prompts, lens, None, timer, references=["a", None, "c"])
-    by_model = Rollout(gen, ref, value, lambda qr, masks, pos, last: fixed.clone(), STOP, **kw)(
-        prompts, lens, None, timer)
+    rollout = Rollout(gen, ref, value, FunctionReward(fn, _Decoder()), STOP, settings, regions(parse_compile(False)))
+    by_function = rollout(prompts, lens, None, timer, references=["a", None, "c"])
+    out = gen.generate(prompts, lens)  # greedy: the same responses
+    by_model = score_trajectory(out.query_responses, lens, out.logprobs, None, ref, value,
+                                lambda qr, masks, pos, last: fixed.clone(), STOP, settings)
     # the function reward is scored packed, the callable padded: equal within float rounding
     for name, a, b in zip(by_model._fields, by_model, by_function):
         if a.is_floating_point():

@@ -4,12 +4,14 @@ import torch
 from torchtune import generation, rlhf as tt_rlhf
 
 from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_policy
-from torchtune_ppo.rollout.trajectory import ModelReward, masks_and_positions, score_trajectory
+from torchtune_ppo.rewards.model import ModelReward
+from torchtune_ppo.rollout.fused import score_trajectory
+from torchtune_ppo.rollout.trajectory import ScoringSettings, masks_and_positions
 
 P, T = 6, 5
 STOP = torch.tensor([EOS_ID])
-KW = dict(prompt_len=P, pad_id=PAD_ID, temperature=0.7, penalise_no_eos=True,
-          min_response_length=None, reward_penalty=-3.0)
+SETTINGS = ScoringSettings(prompt_len=P, pad_id=PAD_ID, temperature=0.7, penalise_no_eos=True,
+                           min_response_length=None, reward_penalty=-3.0)
 
 
 LENS = torch.tensor([6, 3, 1, 4])
@@ -55,7 +57,7 @@ def test_score_trajectory_matches_reference(models):
     policy, ref, value, reward = models
     prompts, qr = _batch()
     gen_logprobs = torch.randn(4, T)
-    traj = score_trajectory(qr, LENS, gen_logprobs, None, ref, value, ModelReward(reward), STOP, **KW)
+    traj = score_trajectory(qr, LENS, gen_logprobs, None, ref, value, ModelReward(reward), STOP, SETTINGS)
     exp_qr, exp_pad, exp_ref, exp_values, exp_scores, exp_lens = _reference(prompts, qr, ref, value, reward)
 
     torch.testing.assert_close(traj.query_responses, exp_qr)
@@ -78,7 +80,7 @@ def test_policy_logprobs_computed_when_not_given(models):
     _, ref, value, reward = models
     policy = tiny_policy(seed=5)  # other weights than the reference
     prompts, qr = _batch()
-    traj = score_trajectory(qr, LENS, None, policy, ref, value, ModelReward(reward), STOP, **KW)
+    traj = score_trajectory(qr, LENS, None, policy, ref, value, ModelReward(reward), STOP, SETTINGS)
     _, pad_masks, *_ = _reference(prompts, qr, ref, value, reward)
     exp_qr, _, expected, *_ = _reference(prompts, qr, policy, value, reward)
     valid = ~pad_masks
@@ -93,9 +95,9 @@ def test_scores_do_not_depend_on_left_padding(models):
     response = torch.tensor([20, 21, EOS_ID, 22, 23])
     padded = torch.cat([torch.full((P - 3,), PAD_ID), prompt, response]).unsqueeze(0)
     unpadded = torch.cat([prompt, response]).unsqueeze(0)
-    a = score_trajectory(padded, torch.tensor([3]), None, ref, ref, value, ModelReward(reward), STOP, **KW)
+    a = score_trajectory(padded, torch.tensor([3]), None, ref, ref, value, ModelReward(reward), STOP, SETTINGS)
     b = score_trajectory(unpadded, torch.tensor([3]), None, ref, ref, value, ModelReward(reward), STOP,
-                         **{**KW, "prompt_len": 3})
+                         SETTINGS._replace(prompt_len=3))
     torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=0)
     torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=0)
     torch.testing.assert_close(a.ref_logprobs, b.ref_logprobs, atol=1e-5, rtol=0)
@@ -110,8 +112,8 @@ def test_compiled_trajectory_equals_eager(models):
     prompts, qr = _batch()
     gen_logprobs = torch.randn(4, T)
     args = (qr, LENS, gen_logprobs, None, ref, value, ModelReward(reward), STOP)
-    eager = score_trajectory(*args, **KW)
-    compiled = maybe_compile(score_trajectory, enabled=True)(*args, **KW)
+    eager = score_trajectory(*args, SETTINGS)
+    compiled = maybe_compile(score_trajectory, enabled=True)(*args, SETTINGS)
     for name, e, c in zip(eager._fields, eager, compiled):
         if e.is_floating_point():
             torch.testing.assert_close(c, e, atol=1e-5, rtol=0, msg=name)

@@ -228,22 +228,6 @@ def load_full_optimizer_state_dict(
     )
 
 
-class NullMetricLogger:
-    """What ranks other than 0 log to: nothing."""
-
-    def log_config(self, cfg: Any) -> None:
-        pass
-
-    def log_dict(self, payload: Dict[str, float], step: int) -> None:
-        pass
-
-    def log(self, name: str, data: Any, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def check_world_size(cfg, world_size: int) -> None:
     """The global batch keys must split evenly over ``world_size`` processes.
 

@@ -521,63 +521,6 @@ def checkpointer_overrides(checkpoint: Union[str, Path]) -> Dict[str, Dict[str, 
     }
 
 
-# ----------------------------------------------------------------------------- RNG
-
-
-def capture_rng_state(generators: Sequence[torch.Generator] = ()) -> Dict[str, Any]:
-    """Every random state a run draws from, for ``training_state``.
-
-    Args:
-        generators (Sequence[torch.Generator]): the run's own generators (e.g. the sampling
-            generator), in an order :func:`restore_rng_state` will be given again.
-
-    Returns:
-        Dict[str, Any]: torch's global CPU state, CUDA states of all devices (when CUDA is
-        available), Python ``random``'s state and each generator's state.
-    """
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "generators": [g.get_state() for g in generators],
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any], generators: Sequence[torch.Generator] = ()) -> None:
-    """Restore what :func:`capture_rng_state` returned, so the next draws repeat.
-
-    Args:
-        state (Mapping[str, Any]): from :func:`capture_rng_state` (possibly via torch.load).
-        generators (Sequence[torch.Generator]): the same generators, in the same order.
-
-    Raises:
-        ValueError: the number of generators differs from the captured one.
-    """
-    if len(generators) != len(state["generators"]):
-        raise ValueError(
-            f"RNG state holds {len(state['generators'])} generators, {len(generators)} given"
-        )
-    torch.set_rng_state(state["torch"])
-    random.setstate(_as_tuple(state["python"]))
-    for g, s in zip(generators, state["generators"]):
-        g.set_state(s)
-    cuda = state.get("cuda")
-    if cuda is not None:
-        if torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            log.warning(f"CUDA RNG states of {len(cuda)} devices not restored: {count} devices here")
-
-
-def _as_tuple(x: Any) -> Any:
-    # random.setstate needs tuples; a state that went through JSON or a list-converting
-    # serializer comes back as lists.
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
 # ----------------------------------------------------------------------------- recipe helpers
 
 

@@ -1,11 +1,11 @@
-"""The PPO loss step: policy and value forward on a minibatch, then the clipped losses.
+"""The PPO loss step: policy and value forward on a packed micro-step, then the clipped losses.
 
-:func:`packed_ppo_loss_step`, the recipe's, runs on packed micro-steps (real tokens only, see
+:func:`packed_ppo_loss_step` runs on packed micro-steps (real tokens only, see
 :mod:`torchtune_ppo.ppo.packing`) and projects to the vocabulary only where it reads a logprob.
-:func:`ppo_loss_step` is its padded twin on ``[b, P + T]`` trajectory rows, the reference the
-packed step is tested against. Either is compiled as one region when ``compile.loss_step`` is
-on; the caller runs ``loss.backward()`` on its output, which AOTAutograd compiles as well. It is
-always called with grad enabled, in train mode, with the same shapes.
+Its padded twin on ``[b, P + T]`` trajectory rows, the reference it is tested against, is a
+test asset (``tests/twins/loss_step.py``). It is compiled as one region when
+``compile.loss_step`` is on; the caller runs ``loss.backward()`` on its output, which
+AOTAutograd compiles as well. It is always called with grad enabled, in train mode.
 """
 
 from typing import Tuple
@@ -16,82 +16,6 @@ from torch import nn
 from torchtune_ppo.ppo import rlhf
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states
 from torchtune_ppo.ppo.packing import block_causal_masks
-
-
-def ppo_loss_step(
-    policy_model: nn.Module,
-    value_model: nn.Module,
-    query_responses: torch.Tensor,
-    masks: torch.Tensor,
-    position_ids: torch.Tensor,
-    response_padding_masks: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    old_values: torch.Tensor,
-    advantages: torch.Tensor,
-    returns: torch.Tensor,
-    *,
-    prompt_len: int,
-    temperature: float,
-    epsilon: float,
-    value_clip_range: float,
-    value_coeff: float,
-    loss_scale: float,
-) -> Tuple[torch.Tensor, rlhf.PPOStats]:
-    """Forward both trained models on a minibatch and return the scaled PPO loss and its stats.
-
-    Args:
-        policy_model (nn.Module): the trained policy.
-        value_model (nn.Module): the trained value model, returning ``[b, S, 1]``.
-        query_responses (torch.Tensor): ``[b, P + T]``.
-        masks (torch.Tensor): bool attention masks ``[b, P + T, P + T]``.
-        position_ids (torch.Tensor): ``[b, P + T]``.
-        response_padding_masks (torch.Tensor): bool ``[b, T]``, True after the stop token.
-        old_logprobs (torch.Tensor): logprobs at trajectory time ``[b, T]``.
-        old_values (torch.Tensor): values at trajectory time ``[b, T]``.
-        advantages (torch.Tensor): ``[b, T]``.
-        returns (torch.Tensor): ``[b, T]``.
-        prompt_len (int): ``P``.
-        temperature (float): sampling temperature of the trajectory.
-        epsilon (float): policy ratio clip range.
-        value_clip_range (float): value clip range.
-        value_coeff (float): weight of the value loss.
-        loss_scale (float): multiplies the loss and stats, ``1 / gradient_accumulation_steps``.
-
-    Returns:
-        Tuple[torch.Tensor, PPOStats]: the loss to call ``backward`` on, and detached stats
-        already multiplied by ``loss_scale``.
-    """
-    valid = ~response_padding_masks
-    responses = query_responses[:, prompt_len:]
-    pi_logits = policy_model(query_responses, mask=masks, input_pos=position_ids)
-    pi_logprobs = rlhf.response_logprobs(pi_logits, responses, prompt_len, temperature) * valid
-    phi_values = value_model(query_responses, mask=masks, input_pos=position_ids)
-    phi_values = rlhf.response_values(phi_values, prompt_len) * valid
-
-    loss, policy_loss, value_loss, ratios, clipfrac = rlhf.ppo_loss(
-        old_logprobs,
-        pi_logprobs,
-        advantages,
-        old_values,
-        phi_values,
-        returns,
-        valid,
-        epsilon=epsilon,
-        value_clip_range=value_clip_range,
-        value_coeff=value_coeff,
-    )
-    approx_policy_kls = 0.5 * rlhf.masked_mean(
-        (pi_logprobs.detach() - old_logprobs).pow(2), valid
-    )
-    stats = rlhf.PPOStats(
-        loss.detach() * loss_scale,
-        policy_loss * loss_scale,
-        value_loss * loss_scale,
-        ratios * loss_scale,
-        clipfrac * loss_scale,
-        approx_policy_kls * loss_scale,
-    )
-    return loss * loss_scale, stats
 
 
 def packed_ppo_loss_step(
@@ -150,12 +74,9 @@ def packed_ppo_loss_step(
     """
     masks = block_causal_masks(segment_ids)  # [R, L, L]
     h = final_hidden_states(policy_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
-    pi_logprobs = torch.stack([  # one output projection per chunk: [C, K]
-        rlhf.token_logprobs(policy_model.output, h.index_select(0, read_positions[c]), targets[c], temperature)
-        for c in range(read_positions.shape[0])
-    ])
+    pi_logprobs = rlhf.read_logprobs(policy_model.output, h, read_positions, targets, temperature)  # [C, K]
     h = final_hidden_states(value_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
-    phi_values = value_model.output(h[read_positions])[..., 0].float()  # [C, K]
+    phi_values = rlhf.read_values(value_model.output, h, read_positions)  # [C, K]
 
     policy_losses, value_losses, ratios, clipped = rlhf.ppo_token_losses(
         old_logprobs, pi_logprobs, advantages, old_values, phi_values, returns,

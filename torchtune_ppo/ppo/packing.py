@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from torchtune_ppo import compile as compiling
 from torchtune_ppo.ppo import rlhf
 
 if TYPE_CHECKING:  # the rollout imports this module's planner
@@ -78,6 +79,11 @@ class PackedMicroStep(NamedTuple):
     targets: torch.Tensor
     weights: torch.Tensor
     micro_batch_ids: torch.Tensor
+
+    def mark_dynamic(self) -> "PackedMicroStep":
+        """Rows ``R`` and chunk length ``K`` dynamic for ``torch.compile``: the compiled loss step
+        traces one graph, symbolic in both, and every later length mix reuses it."""
+        return compiling.mark_dynamic(self, rows=self[:3], reads=self[3:])
 
 
 # No micro-step has a dimension of size 1: the compiled step would specialise on it.
@@ -250,9 +256,9 @@ def pack_minibatch(
         read_scale[read0 : read0 + span] = [scale[g]] * span
 
     device = trajectory.query_responses.device
-    index = _to_device(torch.tensor([token_src, positions, segments]), device)
-    read_index = _to_device(torch.tensor([read_pos, read_src, read_token, read_micro]), device)
-    read_scale = _to_device(torch.tensor(read_scale, dtype=torch.float32), device)
+    index = to_device(torch.tensor([token_src, positions, segments]), device)
+    read_index = to_device(torch.tensor([read_pos, read_src, read_token, read_micro]), device)
+    read_scale = to_device(torch.tensor(read_scale, dtype=torch.float32), device)
     token_src, positions, segments = index.view(3, slots // row_len, row_len)
     read_pos, read_src, read_token, read_micro = read_index
 
@@ -287,21 +293,7 @@ def pack_minibatch(
     ]
 
 
-def mark_dynamic(step: PackedMicroStep) -> PackedMicroStep:
-    """Marks a micro-step's rows ``R`` and chunk length ``K`` dynamic for ``torch.compile``.
-
-    The compiled loss step then traces one graph, symbolic in both, the first time it runs,
-    and every later length mix reuses it (both are at least 2: dynamo specialises sizes 0 and
-    1). Eager code ignores the marks.
-    """
-    for t in step[:3]:
-        torch._dynamo.mark_dynamic(t, 0)
-    for t in step[3:]:
-        torch._dynamo.mark_dynamic(t, 1)
-    return step
-
-
-def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     # From pinned memory the copy does not wait for the device's queued work.
     if device.type == "cuda":
         x = x.pin_memory()

@@ -83,6 +83,42 @@ def token_logprobs(
     return torch.gather(torch.log_softmax(logits, dim=-1), 1, targets[:, None]).squeeze(1)
 
 
+def read_logprobs(
+    output: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    read_positions: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """Logprobs of ``targets [C, K]`` read from packed hidden states at ``read_positions``.
+
+    The one read of the packed regions (scoring and loss step): one output projection per
+    chunk of ``K`` reads, so the largest float32 tensor is ``[K, V]``.
+
+    Args:
+        output (Callable): the model's output projection, ``model.output``.
+        hidden (torch.Tensor): final hidden states of the packed slots, flat ``[R * L, D]``.
+        read_positions (torch.Tensor): ``[C, K]`` flat slots whose outputs predict ``targets``.
+        targets (torch.Tensor): ``[C, K]`` token ids.
+        temperature (float): logits are divided by it before the softmax.
+
+    Returns:
+        torch.Tensor: float32 ``[C, K]``.
+    """
+    return torch.stack([
+        token_logprobs(output, hidden.index_select(0, read_positions[c]), targets[c], temperature)
+        for c in range(read_positions.shape[0])
+    ])
+
+
+def read_values(
+    output: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, read_positions: torch.Tensor
+) -> torch.Tensor:
+    """Values ``[C, K]`` (float32) of a one-output model's packed ``hidden [R * L, D]`` at
+    ``read_positions [C, K]``."""
+    return output(hidden[read_positions])[..., 0].float()
+
+
 def response_values(values: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """Value estimates of the states before each response token: ``[b, P + T, 1]`` -> ``[b, T]``."""
     return values[:, prompt_len - 1 : -1, 0].float()

@@ -18,19 +18,13 @@ Positions count from each row's first real token, as in
 """
 
 import contextlib
-import warnings
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torchtune.modules import TransformerDecoder
 
 from torchtune_ppo.ppo import rlhf
-from torchtune_ppo.compile import (
-    CUDAGRAPH_MODES,
-    maybe_compile,
-    skip_guard_checks,
-    without_cudagraphs,
-)
+from torchtune_ppo.compile import generation_steps, skip_guard_checks
 from torchtune_ppo._patches.torchtune_modules import StaticKVCache
 from torchtune_ppo.config import check_compile_mode, check_sampling
 from torchtune_ppo.rollout.sampling import sample
@@ -209,14 +203,9 @@ class Generator:
         self.noise_width = top_k if top_k is not None else self.vocab_size  # W
 
         self._compiled = compiled
-        self._cudagraphs = compiled and compile_mode in CUDAGRAPH_MODES and self.device.type == "cuda"
-        if compiled and compile_mode in CUDAGRAPH_MODES and not self._cudagraphs:
-            warnings.warn(f"compile_mode={compile_mode!r} uses CUDA graphs, which need a CUDA "
-                          f"device; on {self.device.type} the steps run without them.")
-        self._prefill = maybe_compile(
-            prefill, enabled=compiled, mode=without_cudagraphs(compile_mode)
+        self._prefill, self._decode, self._cudagraphs = generation_steps(
+            prefill, generate_next_token, compiled=compiled, mode=compile_mode, device=self.device
         )
-        self._decode = maybe_compile(generate_next_token, enabled=compiled, mode=compile_mode)
         self.kv_cache = StaticKVCache(
             model, batch_size=batch_size, seq_len=max_prompt_len + max_generated_tokens,
             dtype=dtype or param.dtype, device=self.device,

@@ -14,8 +14,8 @@ region, compiled as one graph when ``compile.trajectory`` is on: it truncates, b
 packed tokens by a gather, runs the models, and gathers their outputs back into the ``[b, T]``
 and ``[b]`` tensors of the padded :class:`~torchtune_ppo.rollout.trajectory.Trajectory`, which it
 returns with the same fields and meanings (padded masks and position ids included). The rows
-``R`` and the chunk length ``K`` of the reads change with the length mix; :func:`mark_dynamic`
-marks them so the compiled region keeps one graph for every mix.
+``R`` and the chunk length ``K`` of the reads change with the length mix;
+:meth:`PackedScoring.mark_dynamic` marks them so the compiled region keeps one graph for every mix.
 
 Reads: response token ``j`` of a sequence is predicted by the output at the slot before it,
 which is also the state whose value is read; the reward is read at the sequence's last valid
@@ -28,9 +28,11 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
+from torchtune_ppo import compile as compiling
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states
-from torchtune_ppo.ppo.packing import MIN_SIZE, _to_device, block_causal_masks, plan_micro_steps
-from torchtune_ppo.rollout.trajectory import Trajectory, finish_trajectory, truncated
+from torchtune_ppo.ppo import rlhf
+from torchtune_ppo.ppo.packing import MIN_SIZE, block_causal_masks, plan_micro_steps, to_device
+from torchtune_ppo.rollout.trajectory import ScoringSettings, Trajectory, finish_trajectory, truncated
 
 
 class PackedScoring(NamedTuple):
@@ -61,11 +63,9 @@ class PackedScoring(NamedTuple):
     read_index: torch.Tensor
     last_positions: torch.Tensor
 
-
-def scoring_chunks(batch_size: int, response_len: int, chunk_size: int = 256) -> int:
-    """``C``, the output projections of a scoring region of ``batch_size`` rows: at most
-    ``chunk_size`` reads each, whatever the length mix (fixed for a run, one graph)."""
-    return max(1, -(-batch_size * response_len // chunk_size))
+    def mark_dynamic(self) -> "PackedScoring":
+        """Rows ``R`` and chunk length ``K`` dynamic for ``torch.compile`` (both at least 2)."""
+        return compiling.mark_dynamic(self, rows=self[:3], reads=self[3:5])
 
 
 def plan_scoring(
@@ -125,9 +125,9 @@ def plan_scoring(
         last_positions[i] = slot + n - 1
         read += v
 
-    index = _to_device(torch.tensor([token_src, positions, segments]), device).view(3, -1, s)
-    reads = _to_device(torch.tensor([read_pos, read_targets]), device).view(2, num_chunks, k)
-    per_row = _to_device(torch.tensor(read_index + last_positions), device)
+    index = to_device(torch.tensor([token_src, positions, segments]), device).view(3, -1, s)
+    reads = to_device(torch.tensor([read_pos, read_targets]), device).view(2, num_chunks, k)
+    per_row = to_device(torch.tensor(read_index + last_positions), device)
     return PackedScoring(
         token_src=index[0],
         segment_ids=index[2],
@@ -139,34 +139,6 @@ def plan_scoring(
     )
 
 
-def mark_dynamic(plan: PackedScoring) -> PackedScoring:
-    """Marks the rows ``R`` and the chunk length ``K`` dynamic for ``torch.compile``: one graph,
-    symbolic in both, for every length mix (both are at least 2). Eager code ignores the marks."""
-    for t in plan[:3]:
-        torch._dynamo.mark_dynamic(t, 0)
-    for t in plan[3:5]:
-        torch._dynamo.mark_dynamic(t, 1)
-    return plan
-
-
-def _read_logprobs(
-    model: nn.Module,
-    tokens: torch.Tensor,
-    masks: torch.Tensor,
-    position_ids: torch.Tensor,
-    read_positions: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float,
-) -> torch.Tensor:
-    """Logprobs ``[C, K]`` of ``targets`` at ``read_positions``, one output projection per chunk."""
-    h = final_hidden_states(model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
-    chunks = []
-    for c in range(read_positions.shape[0]):
-        logits = model.output(h.index_select(0, read_positions[c])).float() / temperature  # [K, V]
-        chunks.append(torch.gather(torch.log_softmax(logits, dim=-1), 1, targets[c, :, None])[:, 0])
-    return torch.stack(chunks)
-
-
 def packed_score_trajectory(
     query_responses: torch.Tensor,
     prompt_lens: torch.Tensor,
@@ -176,59 +148,61 @@ def packed_score_trajectory(
     value_model: nn.Module,
     reward_model: Optional[nn.Module],
     stop_token_ids: torch.Tensor,
-    token_src: torch.Tensor,
-    segment_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    read_positions: torch.Tensor,
-    read_targets: torch.Tensor,
-    read_index: torch.Tensor,
-    last_positions: torch.Tensor,
-    *,
-    prompt_len: int,
-    pad_id: int,
-    temperature: float,
-    penalise_no_eos: bool,
-    min_response_length: Optional[int],
-    reward_penalty: float,
+    plan: PackedScoring,
+    settings: ScoringSettings,
     scores: Optional[torch.Tensor] = None,
 ) -> Trajectory:
-    """:func:`~torchtune_ppo.rollout.trajectory.score_trajectory` with the forwards on packed rows.
+    """Steps 2-6 of the PPO trajectory with the forwards on packed rows.
 
-    Same arguments and result as ``score_trajectory``, except that the reward comes from
-    ``reward_model``, a classifier with a ``[D, 1]`` output read at each row's last valid token
-    (what :class:`~torchtune_ppo.rollout.trajectory.ModelReward` wraps), or, when it is None, from
-    ``scores``; and the fields of a :class:`PackedScoring` from :func:`plan_scoring` (for these
-    rows' prompt lengths and valid response lengths) follow ``stop_token_ids``.
+    Args:
+        query_responses (torch.Tensor): left-padded prompts then generated tokens ``[b, P + T]``.
+        prompt_lens (torch.Tensor): real tokens of each prompt ``[b]``; the rest is padding.
+        logprobs (Optional[torch.Tensor]): policy logprobs from the generator ``[b, T]``; when
+            None they are computed with ``policy_model`` (step 2).
+        policy_model (Optional[nn.Module]): the policy, used only when ``logprobs`` is None.
+        ref_policy_model (nn.Module): frozen reference policy.
+        value_model (nn.Module): the value model, a ``[D, 1]`` output layer.
+        reward_model (Optional[nn.Module]): a classifier with a ``[D, 1]`` output read at each
+            row's last valid token (what :class:`~torchtune_ppo.rewards.model.ModelReward`
+            wraps); None when ``scores`` come from outside (a function reward, run before).
+        stop_token_ids (torch.Tensor): ``[n_stop]``.
+        plan (PackedScoring): from :func:`plan_scoring`, for these rows' prompt lengths and
+            valid response lengths (after ``stop_token_ids``).
+        settings (ScoringSettings): ``P``, the pad id, the temperature and the penalties.
+        scores (Optional[torch.Tensor]): ``[b]`` scores of the truncated responses, used when
+            ``reward_model`` is None; the penalties still apply.
+
+    Returns:
+        Trajectory: the scored batch, padded ``[b, ...]`` as if scored on padded rows.
     """
     qr, response_padding_masks, masks, padded_positions = truncated(
-        query_responses, prompt_lens, stop_token_ids, prompt_len=prompt_len, pad_id=pad_id
+        query_responses, prompt_lens, stop_token_ids, settings
     )
-    responses = qr[:, prompt_len:]
-    tokens = qr.flatten()[token_src]  # [R, L]
-    packed_masks = block_causal_masks(segment_ids)  # [R, L, L]
-    targets = responses.flatten()[read_targets]  # [C, K]
+    responses = qr[:, settings.prompt_len:]
+    tokens = qr.flatten()[plan.token_src]  # [R, L]
+    packed_masks = block_causal_masks(plan.segment_ids)  # [R, L, L]
+    targets = responses.flatten()[plan.read_targets]  # [C, K]
+    reads, temperature = plan.read_positions, settings.temperature
 
-    def to_rows(reads: torch.Tensor) -> torch.Tensor:  # [C, K] -> [b, T]
-        return reads.flatten()[read_index]
+    def hidden(model: nn.Module) -> torch.Tensor:  # [R * L, D]
+        h = final_hidden_states(model, tokens, mask=packed_masks, input_pos=plan.position_ids)
+        return h.flatten(0, 1)
+
+    def to_rows(x: torch.Tensor) -> torch.Tensor:  # [C, K] -> [b, T]
+        return x.flatten()[plan.read_index]
 
     # step 2: policy and reference logprobs of the responses
     if logprobs is None:
-        logprobs = to_rows(_read_logprobs(policy_model, tokens, packed_masks, position_ids,
-                                          read_positions, targets, temperature))
-    ref_logprobs = to_rows(_read_logprobs(ref_policy_model, tokens, packed_masks, position_ids,
-                                          read_positions, targets, temperature))
-
+        logprobs = to_rows(rlhf.read_logprobs(policy_model.output, hidden(policy_model), reads, targets, temperature))
+    ref_logprobs = to_rows(rlhf.read_logprobs(ref_policy_model.output, hidden(ref_policy_model), reads,
+                                              targets, temperature))
     # step 3: values of the states before each response token
-    h = final_hidden_states(value_model, tokens, mask=packed_masks, input_pos=position_ids).flatten(0, 1)
-    values = to_rows(value_model.output(h[read_positions])[..., 0].float())
-
+    values = to_rows(rlhf.read_values(value_model.output, hidden(value_model), reads))
     # step 5: the reward model at each row's last valid token
     if reward_model is not None:
-        h = final_hidden_states(reward_model, tokens, mask=packed_masks, input_pos=position_ids)
-        scores = reward_model.output(h.flatten(0, 1)[last_positions])[:, 0].float()
+        scores = reward_model.output(hidden(reward_model)[plan.last_positions])[:, 0].float()
 
     return finish_trajectory(
         qr, response_padding_masks, masks, padded_positions, logprobs, ref_logprobs, values,
-        scores, stop_token_ids, penalise_no_eos=penalise_no_eos,
-        min_response_length=min_response_length, reward_penalty=reward_penalty,
+        scores, stop_token_ids, settings,
     )

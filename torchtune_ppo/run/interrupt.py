@@ -18,6 +18,14 @@ class StopRequest:
     def __bool__(self) -> bool:
         return self.signum is not None
 
+    def agree(self) -> None:
+        """A stop any rank received becomes every rank's, so that all of them leave the loop
+        after the same step and save together (torchrun signals ranks at slightly different
+        times); a no-op with one process."""
+        from torchtune_ppo import distributed
+
+        distributed.agree_on_stop(self)
+
     def _handle(self, signum, frame) -> None:
         self.signum = signum
         # The next signal of this kind acts as usual: a second Ctrl-C interrupts right away.

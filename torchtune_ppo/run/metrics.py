@@ -10,6 +10,7 @@ from typing import Dict, Iterator, List
 
 import torch
 
+from torchtune_ppo import distributed
 from torchtune_ppo.ppo import rlhf
 from torchtune_ppo.rollout.trajectory import Trajectory
 
@@ -82,8 +83,13 @@ def step_metrics(
 
     Returns:
         Dict[str, float]: scores, KL, losses, ratios (masked means), lengths, throughput and
-        ``time/<phase>``. Loss metrics are NaN when no update was applied.
+        ``time/<phase>``. Loss metrics are NaN when no update was applied. On several
+        processes, every metric is over the global batch (``stats`` are summed over ranks).
     """
+    if distributed.world_size() > 1:
+        trajectory = trajectory._replace(**{k: distributed.all_gather_rows(getattr(trajectory, k)) for k in
+                                            ("query_responses", "scores", "response_padding_masks", "seq_lens")})
+        kl, kl_rewards = distributed.all_gather_rows(kl), distributed.all_gather_rows(kl_rewards)
     if stats:
         # Stats of one minibatch are summed over its micro-batches (each scaled by 1/grad_accum).
         per_minibatch = [torch.stack(s).view(-1, grad_accum).sum(1).mean() for s in zip(*stats)]
@@ -114,3 +120,19 @@ def step_metrics(
     }
     metrics.update({f"time/{k}": v for k, v in times.items()})
     return {k: float(v) for k, v in metrics.items()}
+
+
+class NullMetricLogger:
+    """What ranks other than 0 log to: nothing."""
+
+    def log_config(self, cfg) -> None:
+        pass
+
+    def log_dict(self, payload: Dict[str, float], step: int) -> None:
+        pass
+
+    def log(self, name: str, data, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

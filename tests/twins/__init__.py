@@ -1,0 +1,1 @@
+"""Reference twins of the packed regions: padded implementations that only tests run."""

@@ -1,0 +1,144 @@
+"""The training state of a run, saved beside the weights in every checkpoint and restored on
+resume: optimizer (by parameter name when sharded), LR scheduler, progress counters, skipped
+steps, and every random state (each rank's own under torchrun).
+
+:class:`CheckpointClient` is what the recipe calls: it takes the models, the optimizer and the
+progress, and hides gathering sharded weights and optimizer state, which rank writes, and how
+a state saved on another number of processes is taken apart.
+"""
+
+import random
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+from torchtune import utils
+
+from torchtune_ppo import distributed
+from torchtune_ppo.checkpointing.store import CheckpointManager, load_training_state
+
+log = utils.get_logger("INFO")
+
+PROGRESS_KEYS = ("steps_run", "epochs_run", "batches_run_in_epoch")
+
+
+def capture_rng_state(generators: Sequence[torch.Generator] = ()) -> Dict[str, Any]:
+    """Every random state a run draws from, for ``training_state``.
+
+    Args:
+        generators (Sequence[torch.Generator]): the run's own generators (e.g. the sampling
+            generator), in an order :func:`restore_rng_state` will be given again.
+
+    Returns:
+        Dict[str, Any]: torch's global CPU state, CUDA states of all devices (when CUDA is
+        available), Python ``random``'s state and each generator's state.
+    """
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "generators": [g.get_state() for g in generators],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any], generators: Sequence[torch.Generator] = ()) -> None:
+    """Restore what :func:`capture_rng_state` returned, so the next draws repeat.
+
+    Args:
+        state (Mapping[str, Any]): from :func:`capture_rng_state` (possibly via torch.load).
+        generators (Sequence[torch.Generator]): the same generators, in the same order.
+
+    Raises:
+        ValueError: the number of generators differs from the captured one.
+    """
+    if len(generators) != len(state["generators"]):
+        raise ValueError(
+            f"RNG state holds {len(state['generators'])} generators, {len(generators)} given"
+        )
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuple(state["python"]))
+    for g, s in zip(generators, state["generators"]):
+        g.set_state(s)
+    cuda = state.get("cuda")
+    if cuda is not None:
+        if torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            log.warning(f"CUDA RNG states of {len(cuda)} devices not restored: {count} devices here")
+
+
+def _as_tuple(x: Any) -> Any:
+    # random.setstate needs tuples; a state that went through JSON or a list-converting
+    # serializer comes back as lists.
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+class CheckpointClient:
+    """Saves and restores a run's weights and training state through a :class:`CheckpointManager`.
+
+    Args:
+        manager (CheckpointManager): writes the step folders (rank 0 only).
+        models (Mapping[str, nn.Module]): the trained models by name (``policy``, ``value``),
+            sharded or not.
+        optimizer (Any): over the models' parameters, in the order of ``models``.
+        lr_scheduler (Optional[Any]): saved and restored with it.
+        skipped_steps (Any): has ``state_dict`` / ``load_state_dict`` (:class:`~torchtune_ppo.run.guards.SkippedSteps`).
+        generators (Sequence[torch.Generator]): the run's own random streams.
+    """
+
+    def __init__(self, manager: CheckpointManager, models: Mapping[str, nn.Module], optimizer: Any,
+                 lr_scheduler: Optional[Any], skipped_steps: Any, generators: Sequence[torch.Generator]) -> None:
+        self.manager, self.models = manager, dict(models)
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.skipped_steps, self.generators = skipped_steps, list(generators)
+
+    def save(self, step: int, progress: Mapping[str, int]) -> None:
+        """Writes ``step_<step>`` atomically: the models in HF format and the training state.
+        Every rank must call it (the weights are gathered collectively; rank 0 writes them)."""
+        world = distributed.world_size()
+        state = {
+            # On W ranks: keyed by parameter name with full tensors, so any W can resume it.
+            "optimizer": self.optimizer.state_dict() if world == 1
+            else distributed.full_optimizer_state_dict(self.models, self.optimizer),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            **{k: progress[k] for k in PROGRESS_KEYS},
+            "skipped_steps": self.skipped_steps.state_dict(),
+            "rng": capture_rng_state(self.generators),
+        }
+        if world > 1:  # resumed on the same number of ranks, each gets its own back
+            state["rng_per_rank"] = distributed.all_gather_objects(state["rng"])
+        # The random states in "rng" are rank 0's: a resume on another number of ranks draws
+        # different samples.
+        weights = {name: distributed.full_state_dict(m) for name, m in self.models.items()}
+        if distributed.rank() == 0:
+            self.manager.save(step, weights["policy"], weights["value"], state)
+        distributed.barrier()
+
+    def load(self, checkpoint: str) -> Dict[str, Any]:
+        """Restores the optimizer, scheduler and skipped steps from ``checkpoint``; returns the
+        progress counters and ``rng``, this rank's random state to restore once the data
+        iterator is back in place (None when saved on another number of ranks)."""
+        state = load_training_state(checkpoint)
+        world = distributed.world_size()
+        if world == 1 and not distributed.keyed_by_name(state["optimizer"]):
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:  # saved or loaded on several ranks: a full state keyed by parameter name
+            distributed.load_full_optimizer_state_dict(self.models, self.optimizer, state["optimizer"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.skipped_steps.load_state_dict(state["skipped_steps"])
+        rng = state["rng"]
+        if world > 1:
+            per_rank = state.get("rng_per_rank") or []
+            rng = per_rank[distributed.rank()] if len(per_rank) == world else None
+            if rng is None and distributed.rank() == 0:
+                log.warning(f"{checkpoint} was saved on {len(per_rank) or 1} process(es), not "
+                            f"{world}: the random states start afresh.")
+        return {**{k: state[k] for k in PROGRESS_KEYS}, "rng": rng}
+
+    def restore_rng(self, rng: Mapping[str, Any]) -> None:
+        """Puts back a random state that :meth:`load` returned."""
+        restore_rng_state(rng, self.generators)

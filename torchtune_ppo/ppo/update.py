@@ -1,0 +1,219 @@
+"""The PPO update of one step: epochs x minibatches x micro-steps on the scored batch.
+
+:class:`PPOUpdate` owns everything between the advantages and the next rollout that the
+recipe should not have to know: the shuffled minibatches, packing them into micro-steps (fixed
+shapes under FSDP), padding ranks to the same number of micro-steps, backward (or the
+optimizer stepped in backward), the skip rule for non-finite losses and gradient norms,
+clipping, the optimizer and LR scheduler steps, and every reduction across ranks. With one
+process each reduction is the identity.
+"""
+
+from itertools import chain
+from typing import Callable, List, NamedTuple, Optional
+
+import torch
+from torch import nn
+from torchtune import utils
+
+from torchtune_ppo import distributed
+from torchtune_ppo.ppo import packing, rlhf
+from torchtune_ppo.rollout.trajectory import Trajectory
+from torchtune_ppo.run.metrics import PackedTokens
+
+log = utils.get_logger("INFO")
+
+
+class LossSettings(NamedTuple):
+    """The PPO loss's scalars: ``epsilon`` (ratio clip), ``value_clip_range``, ``value_coeff``."""
+
+    epsilon: float
+    value_clip_range: float
+    value_coeff: float
+
+
+class UpdateResult(NamedTuple):
+    """What one step's update did.
+
+    Attributes:
+        stats (List[PPOStats]): one per micro-batch of every applied minibatch update, summed
+            over ranks and scaled by ``1 / gradient_accumulation_steps``.
+        skipped_updates (int): minibatch updates dropped for a non-finite loss or gradient norm.
+        slots_per_token (float): loss-step token slots per real token (1.0: perfect packing).
+    """
+
+    stats: List[rlhf.PPOStats]
+    skipped_updates: int
+    slots_per_token: float
+
+
+def num_updates(batch_size: int, ppo_batch_size: int, ppo_epochs: int) -> int:
+    """Optimizer steps per PPO step: ``ppo_epochs`` passes over ``batch_size // ppo_batch_size``
+    minibatches."""
+    return ppo_epochs * (batch_size // ppo_batch_size)
+
+
+def nonfinite_score_rows(trajectory: Trajectory) -> int:
+    """Rows of the global batch whose score is not finite (a step with any gets no update)."""
+    return int(distributed.all_reduce_sum((~trajectory.scores.isfinite()).sum()))
+
+
+class PPOUpdate:
+    """``ppo_epochs`` passes over shuffled minibatches, accumulating gradients per minibatch.
+
+    A minibatch's loss is the sum of its ``gradient_accumulation_steps`` micro-batches' masked
+    means; the loss step runs on their real tokens only, packed into micro-steps. A minibatch
+    whose loss or gradient norm is not finite (summed over ranks, so every rank agrees) leaves
+    the weights as they were and is counted as skipped.
+
+    Args:
+        policy_model (nn.Module): the trained policy.
+        value_model (nn.Module): the trained value model.
+        optimizer (Any): over both models' parameters; an ``InBackwardOptimizer`` when
+            ``optimizer_in_bwd``.
+        lr_scheduler (Optional[Any]): stepped after each applied optimizer step.
+        loss_step (Callable): :func:`~torchtune_ppo.ppo.loss_step.packed_ppo_loss_step`,
+            compiled or not (:func:`torchtune_ppo.compile.regions`).
+        batch_size (int): global prompts per step.
+        ppo_batch_size (int): global rows per minibatch.
+        ppo_epochs (int): passes over the batch.
+        gradient_accumulation_steps (int): micro-batches per minibatch.
+        prompt_len (int): ``P``.
+        response_len (int): ``T``.
+        temperature (float): the sampling temperature; logprobs are taken at it.
+        loss (LossSettings): the PPO loss's scalars.
+        clip_grad_norm (Optional[float]): max gradient norm; None: no clipping.
+        optimizer_in_bwd (bool): ``optimizer`` steps inside backward.
+    """
+
+    def __init__(
+        self,
+        policy_model: nn.Module,
+        value_model: nn.Module,
+        optimizer,
+        lr_scheduler,
+        loss_step: Callable,
+        *,
+        batch_size: int,
+        ppo_batch_size: int,
+        ppo_epochs: int,
+        gradient_accumulation_steps: int,
+        prompt_len: int,
+        response_len: int,
+        temperature: float,
+        loss: LossSettings,
+        clip_grad_norm: Optional[float],
+        optimizer_in_bwd: bool,
+    ) -> None:
+        self.policy_model, self.value_model = policy_model, value_model
+        self.optimizer, self.lr_scheduler, self.loss_step = optimizer, lr_scheduler, loss_step
+        world = distributed.world_size()
+        # Each rank shuffles its own rows into minibatches of ppo_batch_size / W, which
+        # together form one global minibatch.
+        self._batch_size, self._ppo_batch_size = batch_size // world, ppo_batch_size // world
+        self.ppo_epochs, self.gradient_accumulation_steps = ppo_epochs, gradient_accumulation_steps
+        self.num_updates = num_updates(batch_size, ppo_batch_size, ppo_epochs)
+        self._prompt_len, self._response_len, self._temperature = prompt_len, response_len, temperature
+        self._loss = loss
+        self._max_norm = float("inf") if clip_grad_norm is None else float(clip_grad_norm)
+        self._in_bwd = optimizer_in_bwd
+        # Under FSDP the compiled step is split into frames at its hooks, and those frames
+        # specialise any dynamic size: fixed shapes there, one graph either way.
+        self._fixed_shapes = world > 1
+        self._packed_tokens = PackedTokens()
+
+    def __call__(self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor,
+                 timer: Callable, step: int) -> UpdateResult:
+        """Updates both models on ``trajectory`` (``advantages`` and ``returns`` ``[b, T]``).
+
+        ``timer(phase)`` times "loss_step" and "optimizer"; ``step`` (1-based) names the PPO
+        step in warnings.
+        """
+        self._packed_tokens.reset()
+        stats, skipped = [], 0
+        micro_batch_size = self._ppo_batch_size // self.gradient_accumulation_steps
+        lengths = packing.sequence_lengths(trajectory, self._prompt_len)  # one host sync
+        for _ in range(self.ppo_epochs):
+            order = torch.randperm(self._batch_size, device=trajectory.scores.device).tolist()
+            for start in range(0, self._batch_size, self._ppo_batch_size):
+                minibatch = order[start : start + self._ppo_batch_size]
+                micro_batches = [minibatch[i : i + micro_batch_size]
+                                 for i in range(0, len(minibatch), micro_batch_size)]
+                with timer("loss_step"):
+                    minibatch_stats = self._loss_and_backward(trajectory, advantages, returns,
+                                                              micro_batches, lengths, step)
+                with timer("optimizer"):
+                    if self._optimizer_step(minibatch_stats, step):
+                        stats.extend(minibatch_stats)
+                    else:
+                        skipped += 1
+        return UpdateResult(stats, skipped, self._packed_tokens.ratio)
+
+    def _loss_and_backward(self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor,
+                           micro_batches: List[List[int]], lengths: packing.SequenceLengths,
+                           step: int) -> List[rlhf.PPOStats]:
+        """Loss and gradients of one minibatch (trajectory rows in micro-batches), packed;
+        returns one :class:`~torchtune_ppo.ppo.rlhf.PPOStats` per micro-batch, summed over ranks."""
+        valid_totals = None
+        if distributed.world_size() > 1:  # token weights over the global micro-batch's valid tokens
+            counts = torch.tensor([sum(lengths.valid_counts[i] for i in idxs) for idxs in micro_batches])
+            valid_totals = distributed.all_reduce_sum(counts.to(advantages.device)).tolist()
+        fixed = self._fixed_shapes
+        rows = packing.default_rows(len(micro_batches[0]), fixed_shapes=fixed)
+        steps = packing.pack_minibatch(
+            trajectory, advantages, returns, micro_batches, lengths,
+            prompt_len=self._prompt_len, rows=rows, valid_totals=valid_totals,
+            num_chunks=packing.logprob_chunks(rows * self._response_len), fixed_shapes=fixed,
+        )
+        self._packed_tokens.update(steps, lengths, micro_batches)
+        step_stats, losses = [], []
+        for micro_step in distributed.pad_micro_steps(steps):  # every rank runs as many
+            loss, stats = self.loss_step(
+                self.policy_model, self.value_model, *(micro_step if fixed else micro_step.mark_dynamic()),
+                temperature=self._temperature, **self._loss._asdict(),
+                num_micro_batches=len(micro_batches),
+            )
+            if self._in_bwd:
+                losses.append(loss)  # one backward for the minibatch: its hooks step the weights
+            else:
+                loss.backward()
+            step_stats.append(stats)
+        minibatch_stats = packing.micro_batch_stats(step_stats)
+        if distributed.world_size() > 1:  # every rank takes the same decision on the same sums
+            totals = distributed.all_reduce_sum(torch.stack([torch.stack(s) for s in minibatch_stats]))
+            minibatch_stats = [rlhf.PPOStats(*row.unbind()) for row in totals]
+        if losses:
+            total = torch.stack(losses).sum()
+            if self._finite(total, None, step):
+                total.backward()
+        return minibatch_stats
+
+    def _optimizer_step(self, minibatch_stats: List[rlhf.PPOStats], step: int) -> bool:
+        """Clip, then step; or drop the gradients when the loss or their norm is not finite.
+        Returns whether the update was applied."""
+        loss = torch.stack([s.loss for s in minibatch_stats]).sum()
+        if self._in_bwd:  # stepped in backward, which ran only for a finite loss
+            return bool(loss.isfinite())
+        params = chain(self.policy_model.parameters(), self.value_model.parameters())
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=self._max_norm)
+        if isinstance(grad_norm, torch.distributed.tensor.DTensor):  # sharded models: the global norm
+            grad_norm = grad_norm.full_tensor()
+        applied = self._finite(loss, grad_norm, step)
+        if applied:
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return applied
+
+    @staticmethod
+    def _finite(loss: torch.Tensor, grad_norm: Optional[torch.Tensor], step: int) -> bool:
+        """The skip rule: an update is applied only with a finite loss and gradient norm."""
+        checks = [loss] if grad_norm is None else [loss, grad_norm]
+        finite = torch.stack([x.isfinite() for x in checks]).tolist()  # one host sync
+        if all(finite):
+            return True
+        quantity = "loss" if not finite[0] else "gradient norm"
+        norm = "" if grad_norm is None else f", grad norm {grad_norm.item():.4g}"
+        log.warning(f"step {step}: non-finite {quantity} ({loss.item():.4g}{norm}); "
+                    "this minibatch update is skipped.")
+        return False
