@@ -1,5 +1,7 @@
 """A bad config stops in validation, before any weights are read, with a message naming the key."""
 
+import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,12 +12,14 @@ from torchtune import config as tt_config
 
 import torchtune_ppo  # noqa: F401  (registers the ppo_asset resolver)
 from torchtune_ppo.config import (
+    SCHEMA,
     CompileConfig,
     check_cli_overrides,
     check_compile_mode,
     check_device,
     check_sampling,
     instantiate_dataset,
+    markdown_table,
     parse_compile,
     validate_config,
     validate_dataset,
@@ -140,6 +144,13 @@ def test_bool_and_dotted_compile_on_one_command_line_is_refused():
         ("loss.epsilon", 0, r"loss.epsilon must be a number > 0 .*got 0"),
         ("loss.epsilon", "'0.1x'", r"loss.epsilon must be a number > 0 .*got '0.1x' \(a string\)"),
         ("loss.value_clip_range", -1, r"loss.value_clip_range must be a number > 0, got -1"),
+        # 0 is no off switch: the clipped value is the old one, so the value model cannot learn.
+        (
+            "loss.value_clip_range", 0,
+            r"loss.value_clip_range must be a number > 0, got 0\. Each new value is clipped to "
+            r"within value_clip_range of its old value: with 0 the value model can never improve "
+            r"on its old values, .*1e6",
+        ),
         ("loss.value_coeff", -0.5, r"loss.value_coeff must be a number >= 0, got -0.5"),
         ("min_response_length", 25, r"min_response_length \(25\) must not exceed max_generated_tokens \(24\)"),
         ("top_k", True, r"top_k must be null or an integer >= 1, got True \(a bool\)"),
@@ -149,6 +160,40 @@ def test_bool_and_dotted_compile_on_one_command_line_is_refused():
 def test_numbers_must_be_numbers_in_range(key, value, pattern):
     with pytest.raises(ValueError, match=pattern):
         validate_config(_cfg(**{key: value}))
+
+
+@pytest.mark.parametrize(
+    "key, accepted, refused",
+    [
+        ("loss.epsilon", [0.001, 1.0], [0, -0.1]),
+        ("loss.value_clip_range", [0.001, 1e6], [0, 0.0, -1, math.inf]),
+        ("loss.value_coeff", [0, 10.0], [-0.001]),
+        ("kl_coeff", [0, 1.0], [-0.001]),
+        ("gamma", [0, 1], [-0.001, 1.001]),
+        ("lmbda", [0, 1], [-0.001, 1.001]),
+        ("clip_grad_norm", [None, 0.001], [0, -1.0, math.inf]),
+        ("temperature", [0.001], [0, -1.0, math.inf]),
+        ("top_p", [0.001, 1], [0, 1.001]),
+        ("top_k", [None, 1], [0]),
+        ("reward_penalty", [-3.0, 0, 1.0], [math.nan, -math.inf]),
+        ("seed", [None, 0, -1], [1.5]),
+        ("min_response_length", [None, 1, 24], [0, 25]),
+        ("max_prompt_len", [1, 12], [0]),
+        ("ppo_epochs", [1], [0]),
+        ("max_consecutive_skipped_steps", [1], [0]),
+        ("cpu_threads", ["auto", 1], [0, "Auto"]),
+    ],
+)
+def test_range_checks_hold_at_both_boundaries(key, accepted, refused):
+    for value in accepted:
+        cfg = _cfg()
+        OmegaConf.update(cfg, key, value)
+        validate_config(cfg)
+    for value in refused:
+        cfg = _cfg()
+        OmegaConf.update(cfg, key, value)
+        with pytest.raises(ValueError, match=rf"^{re.escape(key)} (\(\d+\) )?must "):
+            validate_config(cfg)
 
 
 def test_ints_are_fine_for_floats_and_null_clip_grad_norm():
@@ -336,6 +381,45 @@ def test_new_keys_have_defaults_and_are_checked():
 
 def _tokenizer():
     return tt_config.instantiate(_cfg().tokenizer)
+
+
+# --- the schema: one declaration per key, read by validation, defaults and the README --------
+
+
+def test_readme_config_keys_table_is_the_schema_table():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    start = readme.index("## Config keys\n")
+    section = readme[start:readme.index("\n## ", start)]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    assert rows == markdown_table().splitlines(), (
+        "README's Config keys table differs from the schema; paste the output of "
+        "`python -c 'from torchtune_ppo.config import markdown_table; print(markdown_table())'`"
+    )
+
+
+def test_every_key_is_checked_against_its_kind():
+    for key in SCHEMA:
+        cfg = _cfg()
+        cfg[key.name] = "nope"
+        if key.name == "output_dir":  # any string is a path
+            validate_config(cfg)
+            continue
+        message = rf"^{key.name} must be {re.escape(key.kind.valid)}, got 'nope' \(a string\)\."
+        with pytest.raises(ValueError, match=message):
+            validate_config(cfg)
+
+
+def test_left_out_keys_take_the_schema_defaults():
+    cfg = _cfg()
+    # reward_checkpointer stays: without it the config has no reward.
+    optional = [k for k in SCHEMA if not k.required and k.name != "reward_checkpointer"]
+    for key in optional:
+        cfg.pop(key.name, None)
+    filled = validate_config(cfg)
+    for key in optional:
+        value = filled[key.name]
+        value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        assert value == key.default, key.name
 
 
 # --- torchtune's PPO config keys --------------------------------------------------------------

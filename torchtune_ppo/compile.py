@@ -18,6 +18,8 @@ from typing import Any, Callable, ContextManager, NamedTuple, Optional, Sequence
 
 import torch
 
+from torchtune_ppo._patches import dynamo as dynamo_patches
+
 F = TypeVar("F", bound=Callable)
 T = TypeVar("T")
 
@@ -147,25 +149,14 @@ def skip_guard_checks(enabled: bool) -> ContextManager:
     without the feature, and when the user set a stance of their own (e.g. ``force_eager``),
     which entering a new stance would override.
     """
-    if not (enabled and _HAS_SKIP_GUARD_EVAL and _current_stance() == "default"):
+    if not (enabled and _HAS_SKIP_GUARD_EVAL and dynamo_patches.current_stance() == "default"):
         return contextlib.nullcontext()
     return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
 
 
-def _current_stance() -> str:
-    # torch has no public getter for the stance set by torch.compiler.set_stance.
-    return getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default")
-
-
 def compile_count() -> int:
-    """Graphs dynamo has compiled in this process so far (first compiles and recompiles).
-
-    torch 2.13 counts ``frames.total`` only for ``fullgraph=False`` compiles, so
-    ``stats.unique_graphs`` is the count that sees every compiled region.
-    """
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
+    """Graphs dynamo has compiled in this process so far (first compiles and recompiles)."""
+    return dynamo_patches.unique_graphs()
 
 
 class RecompileCounter:

@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torchtune import modules, training
 
+from torchtune_ppo._patches.fsdp import set_aside_forward_hooks
+
 
 def init_distributed(device: torch.device) -> bool:
     """Joins the process group from torchrun's environment; returns False with one process."""
@@ -108,7 +110,7 @@ def shard(model: nn.Module) -> None:
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     # The root's parameters stay gathered from forward to backward: the loss step applies the
-    # output layer after the root's forward (see _torchtune_patches.final_hidden_states), and
+    # output layer after the root's forward (see _patches.torchtune_modules.final_hidden_states), and
     # backward would gather them again at once anyway. Scoring reads the reference policy's
     # output layer the same way; after the rollout the recipe frees what is left (reshard).
     model.set_reshard_after_forward(False, recurse=False)
@@ -141,7 +143,7 @@ def gathered(*models: nn.Module) -> Iterator[None]:
     fsdp = [m for model in models for m in _fsdp_modules(model)]
     for m in fsdp:
         m.unshard()
-    restore = [_set_aside_forward_hooks(m) for m in fsdp]
+    restore = [set_aside_forward_hooks(m) for m in fsdp]
     try:
         yield
     finally:
@@ -149,32 +151,6 @@ def gathered(*models: nn.Module) -> Iterator[None]:
             put_back()
         for m in fsdp:
             m.reshard()
-
-
-def _set_aside_forward_hooks(module: FSDPModule):
-    """Removes FSDP2's forward pre- and post-hook of ``module``; returns what puts them back
-    where they were (FSDP2 puts its pre-hook first)."""
-    state = module._get_fsdp_state()
-    put_back = []
-    for hooks in (module._forward_pre_hooks, module._forward_hooks):
-        order = list(hooks)
-        ours = {k: h for k, h in hooks.items() if getattr(h, "__self__", None) is state}
-        if not ours:
-            raise RuntimeError(f"FSDP2's forward hooks were not found on {type(module).__name__} "
-                               f"(torch {torch.__version__}); generation and scoring need them "
-                               "set aside while the parameters are gathered.")
-        for k in ours:
-            del hooks[k]
-        put_back.append((hooks, order, ours))
-
-    def restore() -> None:
-        for hooks, order, ours in put_back:
-            hooks.update(ours)
-            for k in order:
-                if k in hooks:
-                    hooks.move_to_end(k)
-
-    return restore
 
 
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:

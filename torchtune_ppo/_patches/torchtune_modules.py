@@ -1,4 +1,6 @@
-"""Every patch of torchtune internals that generation needs, owned by one context manager.
+"""torchtune module internals (written for torchtune 0.6.1, its last release).
+
+Every patch of torchtune internals that generation needs is owned by one context manager.
 
 torchtune 0.6.1's ``TransformerDecoder`` has no notion of "a static KV cache used only while
 generating": ``setup_caches`` leaves caches on for every later forward, and its attention
@@ -20,6 +22,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torchtune.modules import TransformerDecoder
+
+from torchtune.utils._device import is_npu_available  # noqa: F401  (needs the torch_npu plugin)
+
+TESTED_WITH = "torchtune 0.6.1"
 
 _NO_HIDDEN_STATES: List[int] = []  # one object, so dynamo's guards on it never change
 

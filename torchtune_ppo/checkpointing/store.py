@@ -44,6 +44,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
+from torchtune_ppo._patches.checkpointer import set_weight_map
+
 log = utils.get_logger("INFO")
 
 CHECKPOINTS_DIRNAME = "checkpoints"
@@ -195,10 +197,8 @@ class CheckpointManager:
         writer = config.instantiate(
             self._writer_cfgs[name], output_dir=str(scratch), should_load_recipe_state=False
         )
-        # torchtune fills `_weight_map` (HF key -> shard id "0001", ...) only in load_checkpoint,
-        # which would read every weight again; save_checkpoint needs it to split the shards.
-        # We rebuilt the same map from the shard headers at setup.
-        writer._weight_map = dict(self._weight_maps[name])
+        # save_checkpoint needs the shard map that only load_checkpoint fills; rebuilt at setup.
+        set_weight_map(writer, self._weight_maps[name])
         # save_checkpoint replaces the MODEL_KEY entry in place: give it a dict of our own.
         writer.save_checkpoint({training.MODEL_KEY: dict(state_dict)}, epoch=step)
         os.rename(scratch / f"epoch_{step}", tmp / name)

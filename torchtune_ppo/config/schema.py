@@ -1,0 +1,556 @@
+"""The recipe config's schema: every key once, with its type, default and a one-line doc.
+
+``SCHEMA`` is the one place a key is declared. ``validate_config`` checks each value with its
+``Kind``, ``with_defaults`` fills the defaults from it, and the README's "Config keys" table is
+``markdown_table()`` (a test holds them equal). Each kind says in words what it accepts; an
+error reads ``"<key> must be <those words>, got <value>."``.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+COMPILE_REGIONS = ("generate", "trajectory", "loss_step", "rollout")
+COMPILE_KEYS = (*COMPILE_REGIONS, "mode")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+DEVICES = ("cpu", "cuda", "mps", "xpu", "npu")
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+
+
+# --------------------------------------------------------------------------------------------
+# Kinds of value
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a key accepts. ``optional``: null too; ``also``: these literal strings too."""
+
+    optional: bool = False
+    also: Tuple[str, ...] = ()
+    # Said after the error, when the valid values alone do not explain the rule.
+    why: Optional[str] = None
+
+    def words(self) -> str:
+        raise NotImplementedError
+
+    def accepts(self, value: Any) -> bool:
+        raise NotImplementedError
+
+    @property
+    def valid(self) -> str:
+        """The accepted values in words, e.g. ``"null or a positive integer"``."""
+        extra = [*(["null"] if self.optional else []), *(repr(a) for a in self.also)]
+        return " or ".join([*extra, self.words()])
+
+    def check(self, key: str, value: Any) -> None:
+        """Raise ``ValueError`` naming ``key`` and quoting ``value`` unless it is accepted."""
+        if self.optional and value is None:
+            return
+        if isinstance(value, str) and value in self.also:
+            return
+        if not self.accepts(value):
+            why = f" {self.why}" if self.why else ""
+            raise ValueError(f"{key} must be {self.valid}, got {_show(value)}.{why}")
+
+
+@dataclass(frozen=True)
+class Bool(Kind):
+    def words(self) -> str:
+        return "true or false"
+
+    def accepts(self, value: Any) -> bool:
+        # A quoted "False" is a non-empty string, so `if cfg.shuffle:` would read it as True.
+        return isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Int(Kind):
+    ge: Optional[int] = None
+
+    def words(self) -> str:
+        return "an integer" if self.ge is None else f"an integer >= {self.ge}"
+
+    def accepts(self, value: Any) -> bool:
+        return _is_int(value) and (self.ge is None or value >= self.ge)
+
+
+@dataclass(frozen=True)
+class Count(Int):
+    """An integer >= 1: sizes, step counts, periods."""
+
+    ge: Optional[int] = 1
+
+    def words(self) -> str:
+        return "a positive integer"
+
+
+@dataclass(frozen=True)
+class Number(Kind):
+    """A finite int or float, with optional bounds (``gt``/``ge`` below, ``le`` above)."""
+
+    gt: Optional[float] = None
+    ge: Optional[float] = None
+    le: Optional[float] = None
+    note: Optional[str] = None
+
+    def words(self) -> str:
+        low = self.gt if self.gt is not None else self.ge
+        if low is not None and self.le is not None:
+            text = f"a number in {'(' if self.gt is not None else '['}{low}, {self.le}]"
+        elif low is not None:
+            text = f"a number {'>' if self.gt is not None else '>='} {low}"
+        else:
+            text = "a number"
+        return f"{text} ({self.note})" if self.note else text
+
+    def accepts(self, value: Any) -> bool:
+        return (
+            _is_number(value)
+            and math.isfinite(value)
+            and (self.gt is None or value > self.gt)
+            and (self.ge is None or value >= self.ge)
+            and (self.le is None or value <= self.le)
+        )
+
+
+@dataclass(frozen=True)
+class Choice(Kind):
+    options: Tuple[str, ...] = ()
+
+    def words(self) -> str:
+        return f"one of {list(self.options)}"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, str) and value in self.options
+
+
+@dataclass(frozen=True)
+class Text(Kind):
+    what: str = "a string"
+
+    def words(self) -> str:
+        return self.what
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, str) and value != ""
+
+
+@dataclass(frozen=True)
+class Component(Kind):
+    """A block that ``torchtune.config.instantiate`` builds: a mapping with ``_component_``."""
+
+    note: Optional[str] = None
+
+    def words(self) -> str:
+        text = "a mapping with a `_component_`"
+        return f"{text} ({self.note})" if self.note else text
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, (DictConfig, dict)) and "_component_" in value
+
+
+@dataclass(frozen=True)
+class Device(Kind):
+    """A device string; whether this machine has it is checked apart (``check_device``)."""
+
+    def words(self) -> str:
+        return "one of cpu, cuda, cuda:N, mps, xpu, npu (or null to pick from the machine)"
+
+    def accepts(self, value: Any) -> bool:
+        return value is None or parse_device(value) is not None
+
+
+@dataclass(frozen=True)
+class TokenIds(Kind):
+    def words(self) -> str:
+        return "a non-empty list of token ids (integers >= 0, e.g. the tokenizer's eos_id)"
+
+    def accepts(self, value: Any) -> bool:
+        return (
+            isinstance(value, (list, ListConfig))
+            and len(value) > 0
+            and all(_is_int(t) and t >= 0 for t in value)
+        )
+
+
+@dataclass(frozen=True)
+class Block(Kind):
+    """A mapping of plain sub-keys (``loss``); unknown sub-keys are refused by the checks."""
+
+    keys: Tuple["Key", ...] = ()
+    or_else: str = ""
+
+    def words(self) -> str:
+        return f"a mapping with keys {[k.name for k in self.keys]}{self.or_else}"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, DictConfig)
+
+    def check(self, key: str, value: Any) -> None:
+        super().check(key, value)
+        for sub in self.keys:
+            if sub.name in value:
+                sub.kind.check(f"{key}.{sub.name}", value[sub.name])
+
+    def defaults(self) -> Dict[str, Any]:
+        return {k.name: k.default for k in self.keys}
+
+
+@dataclass(frozen=True)
+class CompileBlock(Kind):
+    def words(self) -> str:
+        return f"true, false or a mapping with keys {list(COMPILE_KEYS)}"
+
+    def check(self, key: str, value: Any) -> None:
+        parse_compile(value)
+
+
+@dataclass(frozen=True)
+class Key:
+    """One top-level key: its kind, its default (``REQUIRED`` if none) and what it means."""
+
+    name: str
+    kind: Kind
+    default: Any
+    doc: str
+    # A torchtune recipe key that may stand in for this one (mapped by the checks).
+    torchtune_key: Optional[str] = None
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+
+# --------------------------------------------------------------------------------------------
+# The schema
+# --------------------------------------------------------------------------------------------
+
+LOSS = Block(
+    keys=(
+        Key("epsilon", Number(gt=0, note="the policy ratio is clipped to [1 - epsilon, 1 + epsilon]"),
+            0.2, "policy ratio clip range"),
+        Key("value_clip_range", Number(
+                gt=0,
+                why="Each new value is clipped to within value_clip_range of its old value: with 0 "
+                    "the value model can never improve on its old values, and no setting turns "
+                    "the clipping off (a large one such as 1e6 clips almost nothing).",
+            ),
+            0.2, "each new value is clipped to within this of its old value; no setting turns the "
+            "clipping off (a large one hardly clips)"),
+        Key("value_coeff", Number(ge=0), 0.1, "weight of the value loss"),
+    ),
+    or_else=" or a `_component_: torchtune.rlhf.loss.PPOLoss` block",
+)
+
+SCHEMA: Tuple[Key, ...] = (
+    Key("output_dir", Text(what="a folder path"), REQUIRED,
+        "where checkpoints and logs go; the shipped configs use a new folder per run (`${ppo_run_id:}`)"),
+    Key("tokenizer", Component(), REQUIRED,
+        "a torchtune tokenizer builder; its `pad_id` fills the left padding of prompts and the "
+        "positions after a stop token. Padding is told by each prompt's length, never by token "
+        "value, so a prompt may hold the pad id as a real token (`<unk>` is 0, like the pad id, "
+        "in Llama-2 tokenizers)"),
+    Key("dataset", Component(), REQUIRED,
+        "a torchtune dataset whose samples have `tokens` (e.g. `text_completion_dataset` with "
+        "`add_eos: False`)"),
+    Key("policy_model", Component(), REQUIRED, "builder of the policy (and the reference policy)"),
+    Key("reward_and_value_model", Component(), REQUIRED,
+        "builder of the reward model and the value model (one output)"),
+    Key("checkpointer", Component(), REQUIRED,
+        "checkpointer of the trained policy: loads its start weights, saves it"),
+    Key("ref_policy_checkpointer", Component(), REQUIRED,
+        "the frozen reference policy's weights (normally the same files as the policy's start)"),
+    Key("value_checkpointer", Component(), REQUIRED,
+        "the value model: loads its start weights (normally the reward model's), saves it"),
+    Key("reward_checkpointer", Component(optional=True), None,
+        "the frozen reward model's weights; give it or `reward`"),
+    # A function reward replaces the reward model; reward_and_value_model then builds the value
+    # model only.
+    Key("reward", Component(optional=True, note="a factory or class of the reward function, e.g. "
+                                                 "torchtune_ppo.rewards.ExactMatch"), None,
+        "a reward function of the decoded texts (`torchtune_ppo.rewards`) instead of a reward "
+        "model; give it or `reward_checkpointer`"),
+    Key("seed", Int(optional=True), None,
+        "seed of every random draw (data order, sampling); null: torchtune picks one"),
+    Key("shuffle", Bool(), True, "shuffle the prompts each epoch"),
+    Key("device", Device(), "cpu",
+        "`cpu`, `cuda`, `cuda:N`, ...; a device this machine lacks is an error (torchtune would "
+        "run on the CPU without a word)"),
+    Key("dtype", Choice(options=("fp32", "bf16")), "fp32", "dtype of the models"),
+    # "auto" leaves one core so that one other busy process does not deschedule an OpenMP
+    # thread its peers spin-wait for (measured on 2 cores with one busy process: 2 threads
+    # 1.16 s a step, 1 thread 0.36 s; quiet: 0.26 s and 0.37 s).
+    Key("cpu_threads", Count(also=("auto",)), "auto",
+        "threads for CPU work: `auto` is every core but one (`OMP_NUM_THREADS`, when set, wins), "
+        "or exactly that many"),
+    Key("num_ppo_steps", Count(), REQUIRED,
+        "PPO steps to run; or torchtune's `num_steps`, which counts prompts "
+        "(`num_steps // batch_size` PPO steps)", torchtune_key="num_steps"),
+    Key("batch_size", Count(), REQUIRED, "prompts per PPO step"),
+    Key("forward_batch_size", Count(), REQUIRED,
+        "rows per generation and scoring call; the KV cache is allocated for this many rows. "
+        "Must divide `batch_size`"),
+    Key("ppo_epochs", Count(), 1, "passes over each batch of trajectories"),
+    Key("ppo_batch_size", Count(), REQUIRED,
+        "trajectories per optimizer step. Must divide `batch_size`"),
+    Key("gradient_accumulation_steps", Count(), 1,
+        "micro-batches per optimizer step. Must divide `ppo_batch_size`"),
+    Key("optimizer", Component(), REQUIRED,
+        "torch optimizer builder over the policy and value parameters"),
+    Key("optimizer_in_bwd", Bool(), False,
+        "one optimizer per parameter, stepped during backward: no full set of gradients is ever "
+        "held (how torchtune fits 7B on one GPU). Needs `gradient_accumulation_steps: 1`, no "
+        "`lr_scheduler` and no `clip_grad_norm`"),
+    Key("lr_scheduler", Component(optional=True), None,
+        "a torchtune learning-rate scheduler, e.g. `torchtune.training.lr_schedulers."
+        "get_cosine_schedule_with_warmup` with `num_warmup_steps`; the recipe passes the optimizer "
+        "and `num_training_steps` (optimizer steps of the whole run). null: constant lr"),
+    Key("clip_grad_norm", Number(optional=True, gt=0), None, "max gradient norm, or null for none"),
+    Key("max_prompt_len", Count(optional=True), None,
+        "`P`: every prompt is left-padded to this width; null: the longest prompt of the dataset "
+        "(read once before any model loads)"),
+    Key("long_prompts", Choice(options=("truncate", "error")), "truncate",
+        "a longer prompt is `truncate`d to its last `P` tokens (counted in the "
+        "`prompts_truncated` metric) or is an `error`"),
+    Key("max_generated_tokens", Count(), REQUIRED,
+        "`T`: response tokens per prompt. `P + T` must fit the models' `max_seq_len`"),
+    Key("temperature", Number(gt=0, note="for greedy decoding use top_k=1"), 1.0,
+        "sampling temperature; logprobs are taken at `temperature` over the full vocabulary"),
+    Key("top_k", Int(optional=True, ge=1), None, "sample from the `k` most likely tokens; null: all"),
+    Key("top_p", Number(optional=True, gt=0, le=1), None,
+        "sample from the smallest set of tokens whose probability reaches `p`; null: all"),
+    Key("stop_token_ids", TokenIds(), REQUIRED,
+        "a response ends at its first stop token (kept); later tokens become padding"),
+    Key("penalise_no_eos", Bool(), True,
+        "a response with no stop token scores `reward_penalty` instead"),
+    Key("min_response_length", Count(optional=True), None,
+        "a response with fewer valid tokens scores `reward_penalty` instead; at most "
+        "`max_generated_tokens`. null: no minimum"),
+    Key("reward_penalty", Number(note="usually < 0"), -3.0,
+        "the score of a response that `penalise_no_eos` or `min_response_length` penalises"),
+    Key("kl_coeff", Number(ge=0), 0.05,
+        "per-token KL penalty `-kl_coeff * (logprob - ref_logprob)`"),
+    Key("whiten_rewards", Bool(), False,
+        "whiten the per-token rewards before GAE (torchtune's key; its default is off)"),
+    Key("gamma", Number(ge=0, le=1), 1.0, "GAE discount"),
+    Key("lmbda", Number(ge=0, le=1), 0.95, "GAE lambda"),
+    # A `_component_` block (torchtune's PPOLoss) keeps its own defaults instead of these.
+    Key("loss", LOSS, LOSS.defaults(),
+        "PPO loss: the plain keys below, or torchtune's `PPOLoss` `_component_` block (which keeps "
+        "its own defaults)"),
+    Key("compile", CompileBlock(), False,
+        "`true`/`false`, or `{generate, trajectory, loss_step, rollout, mode}`; see "
+        "[Compiling](#compiling). `mode` is the `torch.compile` mode of the generation regions "
+        "(`reduce-overhead`: CUDA graphs for the decode step); the other regions use the default mode"),
+    Key("enable_activation_checkpointing", Bool(), False,
+        "recompute activations of the trained models in backward"),
+    Key("shard_frozen_models", Bool(), False,
+        "on several processes: shard the reference policy and reward model with FSDP2 like the "
+        "trained models (`1/W` of their weights per device, gathered layer by layer for their "
+        "forwards, or whole for compiled scoring) instead of a whole copy on every rank. No "
+        "effect on one process. See [Several processes](#several-processes-torchrun--fsdp2)"),
+    Key("save_every_n_steps", Count(optional=True), None,
+        "save a checkpoint every N steps (and always at the end, and on Ctrl-C / SIGTERM); "
+        "null: only then"),
+    Key("save_every_n_epochs", Count(optional=True), None,
+        "also save after every N passes over the dataset (torchtune's key); null: not"),
+    Key("keep_last_n_checkpoints", Count(optional=True), None,
+        "keep only the newest N complete checkpoints, so long runs fit on disk; null keeps all"),
+    Key("resume_from_checkpoint", Bool(), False,
+        "continue from the newest complete checkpoint in `output_dir`"),
+    # An update whose loss or gradients are not finite is skipped; this many in a row means the
+    # run has diverged, so it stops instead of burning the rest of its steps.
+    Key("max_consecutive_skipped_steps", Count(), 3,
+        "stop the run after this many steps in a row whose update was skipped for non-finite values"),
+    Key("metric_logger", Component(optional=True), None,
+        "torchtune metric logger; null: torchtune's `DiskLogger` in `<output_dir>/logs`"),
+    Key("log_every_n_steps", Count(), 1, "how often the metric logger logs"),
+    Key("log_samples_every_n_steps", Count(optional=True), None,
+        "print a few (prompt, response, score) rows every N steps and append them to "
+        "`<output_dir>/logs/samples.jsonl` (and to wandb as a table when a wandb run is active); "
+        "null: never"),
+    Key("log_peak_memory_stats", Bool(), False, "add torchtune's memory stats on CUDA"),
+    Key("profiler", Component(optional=True), None,
+        "torchtune's profiler block (`torchtune.training.setup_torch_profiler`); null: off"),
+)
+
+KEYS: Dict[str, Key] = {k.name: k for k in SCHEMA}
+# Keys of torchtune 0.6.1's PPO recipe config that mean nothing here, with the note printed
+# once when a config gives them.
+NOTED_KEYS = {
+    "enable_kv_cache": "generation always uses a static KV cache here; enable_kv_cache is ignored.",
+}
+LOSS_KEYS = tuple(k.name for k in LOSS.keys)
+# Views of SCHEMA under the names the config module exported before it had one.
+REQUIRED_KEYS = tuple(k.name for k in SCHEMA if k.required)
+BOOL_KEYS = tuple(k.name for k in SCHEMA if isinstance(k.kind, Bool))
+LONG_PROMPTS = KEYS["long_prompts"].kind.options
+
+
+def defaults() -> Dict[str, Any]:
+    """The optional keys and their defaults (a fresh dict)."""
+    return {k.name: k.default for k in SCHEMA if not k.required}
+
+
+OPTIONAL_KEYS = defaults()
+
+
+def markdown_table() -> str:
+    """The README's "Config keys" table: one row per key (and per ``loss`` sub-key)."""
+    rows = ["| key | valid values | default | meaning |", "| --- | --- | --- | --- |"]
+    for key in SCHEMA:
+        rows.append(_row(f"`{key.name}`", key))
+        if isinstance(key.kind, Block):
+            rows += [_row(f"`{key.name}.{sub.name}`", sub) for sub in key.kind.keys]
+    return "\n".join(rows)
+
+
+def _row(name: str, key: Key) -> str:
+    if key.required:
+        default = "required" + (f" (or `{key.torchtune_key}`)" if key.torchtune_key else "")
+    else:
+        default = f"`{_yaml(key.default)}`"
+    cells = [name, key.kind.valid, default, key.doc]
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def _yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, Mapping):
+        return _flow(value)
+    return str(value)
+
+
+# --------------------------------------------------------------------------------------------
+# The compile block
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """Which regions run compiled (``compile:`` in the YAML)."""
+
+    generate: bool = False
+    trajectory: bool = False
+    loss_step: bool = False
+    # Steps 1-6 as one region (unrolled generation + scoring); replaces generate/trajectory.
+    rollout: bool = False
+    mode: str = "default"
+
+
+COMPILE_MODE = Choice(options=COMPILE_MODES)
+
+
+def check_compile_mode(mode: Any, key: str = "compile.mode") -> None:
+    """Check a ``torch.compile`` mode.
+
+    Args:
+        mode (Any): the mode to check.
+        key (str): how the message names the setting.
+
+    Raises:
+        ValueError: when ``mode`` is not one of ``COMPILE_MODES``.
+    """
+    COMPILE_MODE.check(key, mode)
+
+
+def parse_compile(value: Any) -> CompileConfig:
+    """Read the ``compile`` setting.
+
+    ``compile: true|false`` sets every region (``rollout`` stays off: it replaces
+    ``generate`` + ``trajectory``). A mapping must name every region; only ``mode`` is optional.
+    A partial mapping is refused because it is what OmegaConf makes of
+    ``compile=True compile.generate=False`` on the command line: the bool is dropped, so the
+    regions left out could mean either on or off.
+
+    Args:
+        value (Any): a bool, or a mapping with keys ``COMPILE_KEYS``.
+
+    Returns:
+        CompileConfig: the regions to compile and the mode.
+
+    Raises:
+        ValueError: on an unknown key, a missing region, a non-bool region or a bad mode.
+    """
+    if isinstance(value, bool):
+        return CompileConfig(value, value, value)
+    if not isinstance(value, (dict, DictConfig)):
+        raise ValueError(f"compile must be {KEYS['compile'].kind.valid}, got {_show(value)}.")
+    block = OmegaConf.to_container(value) if isinstance(value, DictConfig) else dict(value)
+    unknown = sorted(set(block) - set(COMPILE_KEYS))
+    if unknown:
+        raise ValueError(
+            f"compile: unknown key(s) {unknown}; valid keys are {list(COMPILE_KEYS)}, "
+            "or write a bare `compile: true|false` to set all regions."
+        )
+    for key in COMPILE_REGIONS:
+        if key in block:
+            Bool().check(f"compile.{key}", block[key])
+    missing = [k for k in COMPILE_REGIONS if k not in block]
+    if missing:
+        example = {k: block.get(k, k != "rollout") for k in COMPILE_REGIONS}
+        if "mode" in block:
+            example["mode"] = block["mode"]
+        raise ValueError(
+            f"compile: the block {_flow(block)} does not name the region(s) {missing}. "
+            "On the command line `compile=True compile.generate=False` arrives as just "
+            "such a block, with the bool dropped, so a region left out could mean on or "
+            f"off. Name every region, e.g. compile={_flow(example)}, or use the bare "
+            "compile=True|False for all regions."
+        )
+    mode = block.get("mode", "default")
+    check_compile_mode(mode)
+    return CompileConfig(**{k: block[k] for k in COMPILE_REGIONS}, mode=mode)
+
+
+# --------------------------------------------------------------------------------------------
+# Values
+# --------------------------------------------------------------------------------------------
+
+
+def parse_device(device: Any) -> Optional[torch.device]:
+    """``device`` as a ``torch.device`` of a kind in ``DEVICES``, or None if it is not one."""
+    try:
+        parsed = torch.device(device) if isinstance(device, str) else None
+    except (RuntimeError, ValueError):
+        return None
+    return parsed if parsed is not None and parsed.type in DEVICES else None
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass, but `top_k: true` is a typo, not 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    """The value as the user wrote it, with its type when the type is the problem."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value)
+    if isinstance(value, bool):
+        return f"{value!r} (a bool)"
+    if isinstance(value, str):
+        return f"{value!r} (a string)"
+    return repr(value)
+
+
+def _flow(block: Mapping[str, Any]) -> str:
+    """A mapping in the flow form the command line and YAML both accept."""
+    return "{" + ", ".join(f"{k}: {v}" for k, v in block.items()) + "}"
