@@ -13,14 +13,14 @@ never shares its head with the token embeddings, whatever the policy it came fro
 from typing import Optional
 
 from torch import nn
-from torchtune.models.llama3_2._component_builders import llama3_2
-from torchtune.models.qwen2._component_builders import qwen2
+from torchtune.models.llama3_2 import llama3_2
+from torchtune.models.qwen2 import qwen2
 from torchtune.modules import TransformerDecoder
 
 __all__ = ["llama3_1_classifier", "llama3_2_classifier", "qwen2_classifier"]
 
 
-def _with_classifier_head(model: TransformerDecoder, embed_dim: int, num_classes: int) -> TransformerDecoder:
+def with_classifier_head(model: TransformerDecoder, embed_dim: int, num_classes: int) -> TransformerDecoder:
     # Registered as a submodule in place of the (unregistered) TiedLinear, so the state dict
     # gains `output.weight` [num_classes, embed_dim] and nothing else changes.
     model.output = nn.Linear(embed_dim, num_classes, bias=False)
@@ -79,7 +79,7 @@ def llama3_2_classifier(
         scale_factor=scale_factor,
         tie_word_embeddings=True,
     )
-    return _with_classifier_head(model, embed_dim, num_classes)
+    return with_classifier_head(model, embed_dim, num_classes)
 
 
 def llama3_1_classifier(
@@ -185,4 +185,4 @@ def qwen2_classifier(
         rope_base=rope_base,
         tie_word_embeddings=True,
     )
-    return _with_classifier_head(model, embed_dim, num_classes)
+    return with_classifier_head(model, embed_dim, num_classes)

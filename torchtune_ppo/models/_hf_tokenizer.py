@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchtune.data import Message
-from torchtune.data._utils import truncate
 from torchtune.modules.transforms import Transform
 from torchtune.modules.transforms.tokenizers import HuggingFaceBaseTokenizer, ModelTokenizer
+
+from torchtune_ppo._patches.torchtune_modules import truncate
 
 __all__ = ["HFChatTokenizer", "render_chat_prompt"]
 

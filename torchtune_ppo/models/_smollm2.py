@@ -17,7 +17,6 @@ with :class:`torchtune_ppo.models.ClassifierHFCheckpointer` (``model_type: LLAMA
 from typing import Optional
 
 from torch import nn
-from torchtune.models.llama3._component_builders import llama3_mlp
 from torchtune.modules import (
     MultiHeadAttention,
     RMSNorm,
@@ -27,7 +26,8 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 
-from torchtune_ppo.models._component_builders import _with_classifier_head
+from torchtune_ppo._patches.torchtune_modules import llama3_mlp
+from torchtune_ppo.models._component_builders import with_classifier_head
 from torchtune_ppo.models._hf_tokenizer import HFChatTokenizer, hf_chat_tokenizer
 
 __all__ = [
@@ -169,7 +169,7 @@ def smollm2_classifier(
         embed_dim=embed_dim, intermediate_dim=intermediate_dim, max_seq_len=max_seq_len,
         attn_dropout=attn_dropout, rope_base=rope_base, norm_eps=norm_eps, tie_word_embeddings=True,
     )
-    return _with_classifier_head(model, embed_dim, num_classes)
+    return with_classifier_head(model, embed_dim, num_classes)
 
 
 def smollm2_135m(max_seq_len: int = 8192) -> TransformerDecoder:
