@@ -385,3 +385,21 @@ def test_value_model_from_policy_checkpoint(folder, policy, reference, batch, tm
     print(f"value model from the policy checkpoint, backbone: max abs diff {diff:.2e} "
           f"(max |score| {expected.abs().max():.1f})")
     assert diff < ATOL
+
+
+def test_prompt_dataset_renders_chat_prompts_as_transformers_does(tokenizer, hf_tokenizer, tmp_path):
+    from torchtune_ppo.data import prompt_dataset
+
+    rows = [{"prompt": "What is 12+7?", "answer": "19"}, {"prompt": "Écris «bonjour».", "answer": "x"}]
+    data = tmp_path / "p.json"
+    data.write_text(json.dumps(rows))
+    for system in (None, "Answer with a number."):
+        ds = prompt_dataset(tokenizer, "json", data_files=str(data), chat=True, system_prompt=system)
+        for i, row in enumerate(rows):
+            chat = ([] if system is None else [{"role": "system", "content": system}]) + [
+                {"role": "user", "content": row["prompt"]}]
+            expected = _ids(hf_tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True))
+            assert ds[i]["tokens"] == expected, (system, i)
+            assert ds[i]["reference"] == row["answer"]
+    with pytest.raises(ValueError, match="system_prompt is used only with chat=True"):
+        prompt_dataset(tokenizer, "json", data_files=str(data), system_prompt="x")

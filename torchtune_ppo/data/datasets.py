@@ -10,6 +10,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 from datasets import load_dataset
 from torch.utils.data import Dataset
 
+from torchtune_ppo.models import render_chat_prompt
+
 __all__ = ["PromptDataset", "collate_references", "prompt_dataset"]
 
 
@@ -28,9 +30,14 @@ class PromptDataset(Dataset):
         reference_column: Optional[str] = "answer",
         add_bos: bool = True,
         filter_fn: Optional[Callable] = None,
+        chat: bool = False,
+        system_prompt: Optional[str] = None,
         **load_dataset_kwargs: Any,
     ) -> None:
-        self._tokenizer = tokenizer
+        if system_prompt is not None and not chat:
+            raise ValueError("prompt_dataset: system_prompt is used only with chat=True; set chat=True "
+                             "or remove system_prompt.")
+        self._tokenizer, self._chat, self._system_prompt = tokenizer, chat, system_prompt
         self._data = load_dataset(source, **load_dataset_kwargs)
         if filter_fn is not None:
             self._data = self._data.filter(filter_fn)
@@ -50,7 +57,11 @@ class PromptDataset(Dataset):
         sample = self._data[index]
         # No EOS: the prompt is to be continued. No truncation either: the recipe's collator
         # keeps the end of an over-long prompt (the part next to the response), or raises.
-        tokens = self._tokenizer.encode(sample[self._column], add_bos=self._add_bos, add_eos=False)
+        if self._chat:  # a user turn, then the assistant header: what instruct models expect
+            tokens = render_chat_prompt(self._tokenizer, [{"role": "user", "content": sample[self._column]}],
+                                        system=self._system_prompt)
+        else:
+            tokens = self._tokenizer.encode(sample[self._column], add_bos=self._add_bos, add_eos=False)
         reference = None if self._reference_column is None else sample[self._reference_column]
         # JSON numbers arrive as int or float; reward functions compare text.
         return {"tokens": tokens, "reference": None if reference is None else str(reference)}
@@ -64,6 +75,8 @@ def prompt_dataset(
     split: str = "train",
     add_bos: bool = True,
     filter_fn: Optional[Callable] = None,
+    chat: bool = False,
+    system_prompt: Optional[str] = None,
     **load_dataset_kwargs: Any,
 ) -> PromptDataset:
     """Prompts to complete, each with its reference answer, from any ``datasets`` source.
@@ -86,8 +99,13 @@ def prompt_dataset(
         reference_column (Optional[str]): the reference answer column; None for a dataset
             without answers (every reference is then None). Default: ``"answer"``
         split (str): ``load_dataset``'s split, e.g. ``"train"`` or ``"train[:10%]"``.
-        add_bos (bool): prepend the tokenizer's BOS. Default: True
+        add_bos (bool): prepend the tokenizer's BOS (plain prompts only). Default: True
         filter_fn (Optional[Callable]): keep the rows (dicts of columns) for which it is True.
+        chat (bool): render each prompt as a user turn through the tokenizer's chat template,
+            ending in the assistant header (:func:`torchtune_ppo.models.render_chat_prompt`),
+            the format instruct models were trained on. Default: False
+        system_prompt (Optional[str]): a system turn before it (chat only); None: the
+            template's own default, if it has one. Default: None
         **load_dataset_kwargs (Any): passed to ``load_dataset`` (``data_files``, ``field``, ...).
 
     Returns:
@@ -99,7 +117,8 @@ def prompt_dataset(
             message lists the columns).
     """
     return PromptDataset(tokenizer, source, column=column, reference_column=reference_column,
-                         add_bos=add_bos, filter_fn=filter_fn, split=split, **load_dataset_kwargs)
+                         add_bos=add_bos, filter_fn=filter_fn, chat=chat, system_prompt=system_prompt,
+                         split=split, **load_dataset_kwargs)
 
 
 def collate_references(batch: Sequence[Mapping[str, Any]]) -> List[Optional[str]]:
