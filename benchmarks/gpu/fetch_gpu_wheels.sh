@@ -3,7 +3,7 @@
 # installs on an offline GPU machine: torchtune 0.6.1 and what `import torchtune`, `tune run`
 # and this package need there, for CPython 3.12 on manylinux x86-64.
 #
-#   bash benchmarks/fetch_gpu_wheels.sh          # needs pip and network access to PyPI
+#   bash benchmarks/gpu/fetch_gpu_wheels.sh          # needs pip and network access to PyPI
 #
 # Needs: any python3 with pip (the wheels are chosen by the --python-version/--platform flags,
 # not by the interpreter that runs pip). Takes ~10-20 s. Writes ~12 MiB.
@@ -44,7 +44,7 @@
 
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 DEST=${1:-$ROOT/benchmarks/gpu_wheels}
 PY=${PYTHON:-python3}
 MAX_MIB=${GPU_WHEELS_MAX_MIB:-50}

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Median PPO step of the tiny task with several CPU thread settings, on a quiet machine and
 # with one other busy process beside it (what a shared server or CI looks like). Run it alone:
-#     bash benchmarks/bench_threads.sh
+#     bash benchmarks/bounds/bench_threads.sh
 # Each run: 5 steps, the median of steps 2-5 (`time/step` from the run's DiskLogger file).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 run() {  # run <label> <cpu_threads> [VAR=value ...]
   local label=$1 threads=$2; shift 2

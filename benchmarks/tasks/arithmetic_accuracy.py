@@ -1,7 +1,7 @@
 """Held-out accuracy of a tiny_arithmetic policy: the shipped one, or one a run saved.
 
-    python benchmarks/arithmetic_accuracy.py                                   # shipped policy
-    python benchmarks/arithmetic_accuracy.py <output_dir>/checkpoints/step_40/policy
+    python benchmarks/tasks/arithmetic_accuracy.py                                   # shipped policy
+    python benchmarks/tasks/arithmetic_accuracy.py <output_dir>/checkpoints/step_40/policy
 
 Greedy accuracy over the 500 held-out problems, and sampled accuracy at temperature 1 (4
 samples a problem, seeded); a response counts when it ends in EOS and its last number equals
@@ -18,7 +18,12 @@ import torch
 from torchtune.training import MODEL_KEY, FullModelHFCheckpointer
 
 from torchtune_ppo import asset_path
-from torchtune_ppo.tasks.tiny_arithmetic import build, tiny_policy, tiny_tokenizer
+from torchtune_ppo.tasks.tiny_arithmetic import tiny_policy, tiny_tokenizer
+
+# The task's builder (its accuracy is the one its pretraining stops on) is a build tool, kept
+# out of the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools/tasks"))
+import build_tiny_arithmetic as build  # noqa: E402
 
 
 def load_policy(folder: Path) -> torch.nn.Module:

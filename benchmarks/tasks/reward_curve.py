@@ -1,6 +1,6 @@
 """Mean score over the first and last fifth of a run, from its torchtune DiskLogger file.
 
-    python benchmarks/reward_curve.py /tmp/torchtune-ppo/tiny_sentiment/logs
+    python benchmarks/tasks/reward_curve.py /tmp/torchtune-ppo/tiny_sentiment/logs
 """
 
 import sys

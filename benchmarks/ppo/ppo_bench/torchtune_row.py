@@ -7,6 +7,10 @@ backward of one micro-batch), ``log_metrics`` (the end of a step's work),
 (skipped); plus two seams that are not module globals: the ``cache_ctx_manager`` instance
 attribute, whose ``with`` block holds nothing but ``generation.generate``, and the optimizer's
 public step hooks. No torchtune module global is patched. Written against torchtune 0.6.1.
+
+It runs one step at a time for an interleaved driver without changing what it computes: the
+end of ``cleanup_after_step``, a step's last call, hands the step to ``bench.on_step``, which
+may block until the driver wants the next step (or raise to end the run).
 """
 
 import contextlib
@@ -30,6 +34,7 @@ class _StepTimes:
         self.graphs_before = self.graphs_after_step1 = 0
         self.trajectory = None  # the open step's trajectory, read once the step has ended
         self.pad_id = 0
+        self.on_step = None  # called with each closed step's dict at the step's very end
 
     def now(self) -> float:
         sync(self.device)
@@ -80,8 +85,9 @@ def timed_recipe_class(base: type) -> type:
                     yield ctx
 
             self.cache_ctx_manager = timed_cache_ctx
-            # _optimizer is the one private attribute read: it has no public name, and its
-            # step hooks are torch's public way to time optimizer.step() without wrapping it.
+            # _optimizer has no public name (nor have _tokenizer above and _policy_model, read
+            # for its size): torchtune 0.6.1 is frozen. Its step hooks are torch's public way
+            # to time optimizer.step() without wrapping it.
             # zero_grad(set_to_none=True) has no hook; it only drops references (other).
             starts = {}
             self._optimizer.register_step_pre_hook(lambda *_: starts.update(t=self.bench.now()))
@@ -130,6 +136,9 @@ def timed_recipe_class(base: type) -> type:
             if self.bench.current is not None:  # log_metrics skips steps off log_every_n_steps
                 self._end_step()
             self.bench.last_step_end = self.bench.now()
+            if self.bench.on_step is not None:
+                # The step's last call: an interleaved driver's callback waits here for its turn.
+                self.bench.on_step(dict(self.bench.steps[-1], end=self.bench.last_step_end))
 
         def save_checkpoint(self, *args, **kwargs) -> None:
             """Skipped: writing weights is no part of a PPO step (ours saves after its steps)."""
@@ -181,24 +190,29 @@ def token_counts(trajectory, pad_id: int) -> Dict[str, float]:
             "slots_per_token": rows * width / real if real else float("nan")}
 
 
-def run_torchtune_row(cfg_dict: Dict[str, Any]) -> Dict[str, Any]:
-    """Runs torchtune's recipe through its own ``train()``, timing each PPO step.
+class TorchtuneRow:
+    """torchtune's recipe, set up from ``cfg_dict``; ``run(on_step)`` trains, one callback a step.
 
     Args:
         cfg_dict (Dict[str, Any]): a resolved ``ppo_full_finetune_single_device`` config.
-
-    Returns:
-        Dict[str, Any]: ``steps`` (one dict per PPO step, see ``ppo_bench.rows``) and
-        ``whole_run_s``, from the call of ``train()`` to the end of its last step;
-        ``policy_params``, the parameters of the policy it trained.
     """
-    from omegaconf import OmegaConf
 
-    cfg = OmegaConf.create(cfg_dict)
-    recipe = timed_recipe_class(load_torchtune_recipe())(cfg=cfg)
-    recipe.setup(cfg=cfg)
-    recipe.train()
-    recipe.cleanup()
-    bench = recipe.bench
-    return {"steps": bench.steps, "whole_run_s": bench.last_step_end - bench.start,
-            "policy_params": sum(p.numel() for p in recipe._policy_model.parameters())}
+    def __init__(self, cfg_dict: Dict[str, Any]):
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.create(cfg_dict)
+        self.recipe = timed_recipe_class(load_torchtune_recipe())(cfg=cfg)
+        self.recipe.setup(cfg=cfg)
+        self.info: Dict[str, Any] = {}
+
+    def run(self, on_step) -> None:
+        """torchtune's own ``train()``; ``on_step`` gets each step's dict (see ``ppo_bench.rows``)
+        at the end of its ``cleanup_after_step``."""
+        self.recipe.bench.on_step = on_step
+        self.recipe.train()
+
+    def finish(self) -> Dict[str, Any]:
+        """Cleans up; returns ``policy_params``, the parameters of the policy it trained."""
+        self.recipe.cleanup()
+        # torchtune's recipe has no public name for its model (torchtune 0.6.1 is frozen).
+        return {"policy_params": sum(p.numel() for p in self.recipe._policy_model.parameters())}

@@ -8,7 +8,10 @@ import subprocess
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .summary import PHASES
+from bench_common.machine import verdict_lines
+from bench_common.stats import format_ratio
+
+from .summary import PHASES, RATIO_KEYS
 
 PHASE_LABELS = {
     "generate": "generate",
@@ -75,6 +78,31 @@ def markdown_table(rows: List[Dict[str, Any]], fastest: Optional[str]) -> str:
     return "\n".join(lines)
 
 
+def ratio_table(rows: List[Dict[str, Any]], fastest: Optional[str]) -> str:
+    """Per-pair ratios against the fastest torchtune row: step and phases, each the median over
+    pairs with its 95% interval; the step also with min-max and the number of pairs."""
+    fastest_idx = next((i + 1 for i, r in enumerate(rows) if r["name"] == fastest), None)
+    if fastest_idx is None:
+        return ""
+    head = ["#", "row", "pairs", "step: median [95% interval] (min-max)"]
+    head += [PHASE_LABELS[k] for k in RATIO_KEYS[1:]]
+    lines = [
+        f"Per-pair ratios, row {fastest_idx}'s time over each row's (above 1: faster than row "
+        f"{fastest_idx}), medians over the measured pairs with their 95% interval:",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---:|---|---:|" + "---:|" * (len(head) - 3),
+    ]
+    for i, r in enumerate(rows, 1):
+        ratios = r.get("ratios_vs_fastest_torchtune")
+        if r["status"] != "ok" or not ratios:
+            continue
+        step = ratios["step_s"]
+        lines.append(f"| {i} | {r['label']} | {step['n'] if step else 0} | {format_ratio(step, spread=True)} | "
+                     + " | ".join(format_ratio(ratios[k]) for k in RATIO_KEYS[1:]) + " |")
+    return "\n".join(lines)
+
+
 def _notes(rows: List[Dict[str, Any]]) -> List[str]:
     notes = [f"- row {i}: {r['reason'].splitlines()[0][:300] if r['reason'] else r['status']}"
              for i, r in enumerate(rows, 1) if "reason" in r]
@@ -84,10 +112,6 @@ def _notes(rows: List[Dict[str, Any]]) -> List[str]:
               f"steps; the slowest measured step took {r['slowest_measured_step_s']:.1f} s (the "
               "median leaves it out, the whole run does not)."
               for i, r in enumerate(rows, 1) if r["status"] == "ok" and r["graphs_in_measured_steps"]]
-    loads = [f"{i}: {r['loadavg_1min_after']}" for i, r in enumerate(rows, 1)
-             if "loadavg_1min_after" in r]
-    if loads:
-        notes.append("- 1-min load average when each row ended (row: load): " + ", ".join(loads))
     threads = sorted({r["threads"] for r in rows if "threads" in r})
     if threads:
         notes.append(f"- CPU threads in every row: {', '.join(map(str, threads))} "
@@ -103,24 +127,27 @@ def report_markdown(report: Dict[str, Any]) -> str:
         "# PPO step benchmark",
         "",
         f"- hardware: {report['hardware']}",
-        f"- torch {report['torch']}, torchtune {report['torchtune']}; {report['date']}",
         f"- command: `{report['command']}`",
-        f"- load average (1/5/15 min) at start: {report['loadavg_start']}, at end: {report['loadavg_end']}",
+        *verdict_lines(report["machine"], report["verdict"]),
+        f"- {report['stop']}",
         f"- task: {s['model']}; {s['device']}, {s['dtype']}; batch_size {s['batch_size']}, "
         f"forward_batch_size {s['forward_batch_size']}, ppo_batch_size {s['ppo_batch_size']}, "
         f"ppo_epochs {s['ppo_epochs']}, P = {s['max_prompt_len']} (ours; torchtune pads each batch "
         f"to its longest prompt), T = {s['max_generated_tokens']}, temperature {s['temperature']}, "
         f"top_k {s['top_k']}, stop_token_ids {s['stop_token_ids']}; {s['warmup']} warm-up + "
-        f"{s['steps']} measured steps per row",
+        f"up to {s['max_steps']} measured steps per row, interleaved",
         "",
         markdown_table(report["rows"], report["fastest_torchtune"]),
+        "",
+        ratio_table(report["rows"], report["fastest_torchtune"]),
         "",
         "*step* is the median over the measured steps of one PPO step's wall time (trajectory, "
         "advantages, PPO epochs; computing and logging the metrics is left out): our recipe's "
         "`time/step`; for torchtune, from `generate_trajectory_batched` to `log_metrics`. "
-        "*whole run* = wall time from the call of `train()` to the end of its last step: every "
-        "step, the first step's compiles and any recompiles included, and the data loading and "
-        "logging between steps (model loading and checkpoint writing left out). Each phase column "
+        "*whole run* = the row's own wall time from the call of `train()` to the end of its last "
+        "step, the waits for the other rows' steps left out: every step, the first step's "
+        "compiles and any recompiles included, and the data loading and logging between steps "
+        "(model loading and checkpoint writing left out). Each phase column "
         "is a median in seconds per step; *other* is the rest of the step (minibatch indexing, and "
         "torchtune's `zero_grad`). torchtune's *advantages* is the time between its trajectory "
         "and its first `ppo_step` (`get_rewards_ppo`, `estimate_advantages`, a `randperm` and one "
@@ -137,8 +164,12 @@ def report_markdown(report: Dict[str, Any]) -> str:
         "response up to the last valid token, less that one), the median over the measured "
         "steps: ours logs it (`loss_step_slots_per_token`, packed rows); torchtune's is its "
         "padded width, rows × (P' + T), over the same count of real tokens. "
-        f"*peak mem* = {mem}, setup included. Speedups are ratios of the median step times "
-        "measured in this run.",
+        f"*peak mem* = {mem}, setup included. "
+        "The rows ran interleaved, each in its own long-lived process: one step of each row a "
+        "round, the order reversed every round, so each pair of steps met the same machine "
+        "state. Speedups are medians over the measured rounds of per-pair ratios (the reference "
+        "row's step over this row's step in the same round), not ratios of the medians; the "
+        "95% interval is the order-statistics interval of that median.",
     ]
     notes = _notes(report["rows"])
     if notes:

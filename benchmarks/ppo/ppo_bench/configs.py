@@ -24,7 +24,10 @@ def ours_config(args: argparse.Namespace, output_dir: Path) -> Dict[str, Any]:
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(args.set)))
     sizes = {
         "output_dir": str(output_dir),
-        "num_ppo_steps": args.warmup + args.steps,
+        # The most steps the interleaved driver may ask for; it stops the row sooner once the
+        # ratios are narrow. A step does not depend on the count: the shipped configs have no
+        # lr_scheduler (one set with --set would take its length from it).
+        "num_ppo_steps": args.warmup + args.max_steps,
         "batch_size": args.batch_size,
         "forward_batch_size": args.forward_batch_size,
         "ppo_batch_size": args.ppo_batch_size,
@@ -70,7 +73,7 @@ def torchtune_config(ours: Dict[str, Any], args: argparse.Namespace) -> Dict[str
     cfg = {k: ours[k] for k in same}
     loss = ours.get("loss") or {}
     cfg.update(
-        num_steps=(args.warmup + args.steps) * args.batch_size,  # torchtune counts samples
+        num_steps=(args.warmup + args.max_steps) * args.batch_size,  # torchtune counts samples
         loss={
             "_component_": "torchtune.rlhf.loss.PPOLoss",
             "epsilon": loss.get("epsilon", 0.2),

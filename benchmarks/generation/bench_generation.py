@@ -2,22 +2,34 @@
 against ``torchtune_ppo.rollout.generation.Generator`` (eager, compiled), on one random-weight model.
 
 Each variant generates the same left-padded batch with the same sampling settings and no stop
-tokens (every row runs the full length). Reported apart, as medians over ``--repeats`` calls
+tokens (every row runs the full length). Reported apart, as medians over the timed calls
 after warm-up: prefill time (the prompt forward and the first sampled token), decode
 tokens/s (the other ``T - 1`` tokens of every row), the whole call, and the first call, which
 holds the compile time of compiled variants.
 
-    python benchmarks/bench_generation.py                     # demo-size model, CPU, fp32
-    python benchmarks/bench_generation.py --llama-1b --device cuda --out gen.json
+The variants share one model in one process and take turns one call at a time, the order
+reversed every round, so that each round's calls meet the same machine state; speed-ups are
+medians over rounds of per-round ratios against the fastest torchtune variant, with 95%
+intervals, and rounds go on until every interval is within ``--target-width`` or for
+``--max-steps`` rounds (``benchmarks/bench_common``). The machine state and the headline
+verdict go with the result.
+
+The Generator's prefill is timed by wrapping its ``_prefill`` attribute for the call: the one
+private reach here. ``Generator`` has no public seam between its prefill and its decode loop
+(``prepare``, ``draw_noise`` and the module-level ``prefill`` are public, but calling them
+outside ``generate`` would time another call, not this one's prefill).
+
+    python benchmarks/generation/bench_generation.py                # demo-size model, CPU, fp32
+    python benchmarks/generation/bench_generation.py --llama-1b --device cuda --out gen.json
 """
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
+import sys
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -28,6 +40,12 @@ from torchtune.models.llama3_2._component_builders import llama3_2
 from torchtune.modules import local_kv_cache
 
 from torchtune_ppo.rollout.generation import Generator
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common
+from bench_common.interleave import run_interleaved  # noqa: E402
+from bench_common.machine import CpuMeter, headline_verdict, loadavg, machine_info, verdict_lines  # noqa: E402
+from bench_common.stats import format_ratio, pair_ratios, summarize_ratios  # noqa: E402
 
 PAD = 0
 TOP_K = 50
@@ -116,6 +134,7 @@ def ours_runner(model, args, *, compiled: bool) -> Callable:
                     temperature=1.0, top_k=TOP_K, compiled=compiled,
                     compile_mode=args.compile_mode, dtype=args.dtype,
                     device=torch.device(args.device))
+    # The one private reach (see the module docstring): Generator has no public prefill seam.
     prefill = gen._prefill
 
     def run(prompts, rng, clock):
@@ -142,26 +161,49 @@ def timed_call(run: Callable, prompts, seed: int, device: torch.device):
     return clock.stamp - start, time.perf_counter() - start
 
 
-def measure(runs: Dict[str, Callable], prompts, args) -> List[Dict]:
-    """Warm-up calls per variant, then timed rounds over all variants in turn (so a change in
-    machine load hits every variant alike); medians per variant."""
+class Variant:
+    """One variant as an interleaved row: each ``step()`` is one timed call, seeded in turn."""
+
+    def __init__(self, run: Callable, prompts, device: torch.device, first_seed: int):
+        self.run, self.prompts, self.device, self.seed = run, prompts, device, first_seed
+
+    def step(self, timeout=None) -> Dict[str, float]:
+        prefill, total = timed_call(self.run, self.prompts, self.seed, self.device)
+        self.seed += 1
+        return {"total_s": total, "prefill_s": prefill, "decode_s": total - prefill}
+
+
+def fastest_torchtune(times: Dict[str, List[Dict]]) -> str:
+    """The torchtune variant with the lowest median call so far (else the first variant)."""
+    tt = [n for n in times if n.startswith("torchtune")]
+    return min(tt or list(times)[:1], key=lambda n: statistics.median(t["total_s"] for t in times[n]))
+
+
+def measure(runs: Dict[str, Callable], prompts, args, meter=None):
+    """Warm-up calls per variant, then rounds of one timed call per variant, the order reversed
+    every round, until the speed-ups' intervals are narrow or ``--max-steps`` rounds."""
     device = torch.device(args.device)
-    first, times = {}, {name: [] for name in runs}
+    first = {}
     for name, run in runs.items():
         first[name] = timed_call(run, prompts, 0, device)[1]
         for i in range(1, args.warmup):
             timed_call(run, prompts, i, device)
         print(f"{name}: warm, first call {first[name]:.2f} s", flush=True)
     graphs_after_warmup = graphs_compiled()
-    for r in range(args.repeats):
-        for name, run in runs.items():
-            times[name].append(timed_call(run, prompts, args.warmup + r, device))
+    variants = {name: Variant(run, prompts, device, args.warmup) for name, run in runs.items()}
+    interleaved = run_interleaved(variants, warmup=0, max_steps=args.max_steps, min_steps=args.min_steps,
+                                  target_width=args.target_width, key="total_s",
+                                  reference=fastest_torchtune, meter=meter)
     recompiles = graphs_compiled() - graphs_after_warmup
+    times = interleaved.steps
+    baseline = fastest_torchtune(times)
     rows = []
     for name in runs:
-        prefill = statistics.median(t[0] for t in times[name])
-        total = statistics.median(t[1] for t in times[name])
-        decode = statistics.median(t[1] - t[0] for t in times[name])
+        prefill = statistics.median(t["prefill_s"] for t in times[name])
+        total = statistics.median(t["total_s"] for t in times[name])
+        decode = statistics.median(t["decode_s"] for t in times[name])
+        ratios = {k: summarize_ratios(pair_ratios(times[baseline], times[name], f"{k}_s"))
+                  for k in ("total", "prefill", "decode")}
         rows.append({
             "name": name,
             "prefill_ms": 1e3 * prefill,
@@ -171,8 +213,12 @@ def measure(runs: Dict[str, Callable], prompts, args) -> List[Dict]:
             "tok_s": args.batch * args.gen_len / total,
             "first_call_s": first[name],
             "compile_s": first[name] - total,
+            # Per-round ratios, the baseline's time over this variant's: the decode ratio is
+            # the ratio of decode tokens/s.
+            "ratios_vs_baseline": ratios,
+            "calls": times[name],
         })
-    return rows, recompiles
+    return rows, recompiles, baseline, interleaved
 
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
@@ -234,29 +280,26 @@ def bandwidth_floor(model, args) -> Optional[Dict[str, float]]:
 def hardware(args) -> str:
     if torch.device(args.device).type == "cuda":
         return torch.cuda.get_device_name(args.device)
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        name = next(l.split(":", 1)[1].strip() for l in out.splitlines() if "Model name" in l)
-    except (OSError, StopIteration):
-        name = platform.processor() or "unknown CPU"
-    return f"{name}, {torch.get_num_threads()} threads"
+    from bench_common.machine import cpu_model
+
+    return f"{cpu_model()}, {torch.get_num_threads()} threads"
 
 
 def table(rows: List[Dict], baseline: str) -> str:
-    base = rows_by_name(rows)[baseline]
     lines = [
-        f"Speed-ups against the fastest torchtune variant ({baseline}).",
+        f"Speed-ups against the fastest torchtune variant ({baseline}): medians of per-round "
+        "ratios, [95% interval].",
         "",
         "| variant | prefill (ms) | decode (tok/s) | whole call (ms) | first call (s) "
-        "| speed-up, whole call | speed-up, decode |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| speed-up, whole call | speed-up, decode | calls |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        ratios = r["ratios_vs_baseline"]
         lines.append(
             f"| {r['name']} | {r['prefill_ms']:.2f} | {r['decode_tok_s']:.0f} "
             f"| {r['total_ms']:.2f} | {r['first_call_s']:.2f} "
-            f"| {base['total_ms'] / r['total_ms']:.2f}x "
-            f"| {r['decode_tok_s'] / base['decode_tok_s']:.2f}x |"
+            f"| {format_ratio(ratios['total'])} | {format_ratio(ratios['decode'])} | {len(r['calls'])} |"
         )
     return "\n".join(lines)
 
@@ -276,7 +319,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--max-steps", type=int, default=40,
+                   help="timed rounds at most (one call per variant a round)")
+    p.add_argument("--min-steps", type=int, default=6,
+                   help="timed rounds before the interval test may stop")
+    p.add_argument("--target-width", type=float, default=0.05,
+                   help="stop once every speed-up's 95%% interval is within ± this of its median")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls; the first compiles")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None,
@@ -325,15 +373,22 @@ def main() -> None:
     if unknown:
         raise ValueError(f"--variants: unknown {unknown}; valid: {list(variants)}")
     runs = {variants[k][0]: variants[k][1]() for k in keys}
-    rows, recompiles = measure(runs, prompts, args)
-    torchtune_rows = [r for r in rows if r["name"].startswith("torchtune")]
-    baseline = min(torchtune_rows, key=lambda r: r["total_ms"])["name"] if torchtune_rows \
-        else rows[0]["name"]
+    before, meter = loadavg(), CpuMeter()
+    rows, recompiles, baseline, interleaved = measure(runs, prompts, args, meter)
+    threads = torch.get_num_threads()
+    machine = {**machine_info(ROOT, threads), "loadavg_before": before, "loadavg_after": loadavg()}
+    verdict = headline_verdict(meter.total(), interleaved.samples, threads)
+    stop = interleaved.describe_stop(args.target_width, args.max_steps)
     report = {
         "hardware": hardware(args),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python", "benchmarks/generation/bench_generation.py", *sys.argv[1:]]),
         "config": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items()},
+        "machine": machine,
+        "verdict": verdict,
+        "stop": stop,
+        "machine_per_round": interleaved.samples,
         "rows": rows,
         "recompiles_after_warmup": recompiles,
         "baseline": baseline,
@@ -343,6 +398,9 @@ def main() -> None:
     print(f"{report['hardware']}; torch {report['torch']}; batch {args.batch}, prompt "
           f"{args.prompt_len}, {args.gen_len} generated tokens, {args.dtype}, top_k {TOP_K}"
           f"{', inductor cpp_wrapper' if args.cpp_wrapper else ''}")
+    print("\n".join(verdict_lines(machine, verdict)))
+    print(f"- {stop}")
+    print()
     print(table(rows, baseline))
     print(f"\nGraphs compiled during the timed rounds (all variants): {recompiles}")
     if report["bandwidth_floor"]:

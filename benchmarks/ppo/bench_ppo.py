@@ -1,31 +1,42 @@
 """PPO step benchmark: the RFC's plan, step by step, against torchtune's own PPO recipe.
 
 Every row runs full PPO steps on the same models, prompts, batch sizes, lengths and sampling
-settings, in a fresh process (clean dynamo state, clean peak memory):
+settings, each in its own long-lived process (clean dynamo state, clean peak memory, one
+compile), and the rows take turns one PPO step at a time, A B, B A, A B, ..., so that each pair
+of steps meets the same machine state:
 
     1-3  torchtune 0.6.1 ``ppo_full_finetune_single_device``: eager; + KV cache; + compile=True
     4-7  ours (``recipes/ppo_full_finetune.py``): eager; + compile.generate; + compile.trajectory;
          + compile.loss_step (everything on)
     8    ours with compile.rollout (steps 1-6 of the RFC as one compiled region) + compile.loss_step
 
+After the warm-up rounds, rounds go on until every row's ratio to the fastest torchtune row
+(the median of its per-pair step-time ratios) has a 95% interval within ``--target-width``
+(default ±5%), or until ``--max-steps`` measured rounds (the report says which). The machine
+state goes with the result (``bench_common.machine``), and a run during which another process
+used the CPU is marked "NOT A HEADLINE".
+
 Per row: median seconds per step over the measured steps (warm-up steps left out) split into
 generate / score / advantages / loss+backward / optimizer / other; the whole run (every step,
-compiles and recompiles included); tokens/s, compile time, recompiles after the first step,
-peak memory, and speedups over row 1 and over the fastest torchtune row.
+compiles and recompiles included, waits for other rows left out); tokens/s, compile time,
+recompiles after the first step, peak memory; speedups over row 1 and over the fastest
+torchtune row as medians of per-pair ratios, per step and per phase, with 95% intervals.
 
 Our recipe runs through its public seam, ``train(on_step=...)``, its times read from the step
 metrics; torchtune's, which has none, through a subclass that times its public methods.
 
-    python benchmarks/bench_ppo.py                      # tiny demo task, CPU, fp32
-    python benchmarks/bench_ppo.py --quick              # rows 1 and 4, two tiny steps
-    python benchmarks/bench_ppo.py --cpu-large          # CPU, fp32, 8-layer dim-256 policy, T = 64
-    python benchmarks/bench_ppo.py --cpu-large --quick  # the same models, two tiny steps
-    python benchmarks/bench_ppo.py --gpu                # CUDA, bf16, Llama-3.2-1B body
+    python benchmarks/ppo/bench_ppo.py                      # tiny demo task, CPU, fp32
+    python benchmarks/ppo/bench_ppo.py --quick              # rows 1 and 4, two tiny steps
+    python benchmarks/ppo/bench_ppo.py --cpu-large          # CPU, fp32, 8-layer dim-256 policy, T = 64
+    python benchmarks/ppo/bench_ppo.py --cpu-large --quick  # the same models, two tiny steps
+    python benchmarks/ppo/bench_ppo.py --gpu                # CUDA, bf16, Llama-3.2-1B body
 
 ``--gpu`` builds random-weight HF checkpoints with the Llama-3.2-1B body (16 layers, dim 2048,
 32/8 heads, MLP 8192) but the tiny tokenizer's vocabulary of 512, since the prompts and token
 ids come from the tiny task; P = 16, T = 64. It keeps to a budget (450 s for all rows, 120 s a
-row, compile included) and reports the rows it had to cut as timed out or skipped.
+row's own time, compile included) and reports the rows it had to cut as timed out or skipped.
+Every row stays in GPU memory while the rows take turns, so its default rows are the two that
+the headline compares (``rows.GPU_ROWS``).
 
 ``--cpu-large`` builds random-weight checkpoints the same way, for CPU and fp32: an 8-layer
 dim-256 llama3_2 policy (8/4 heads, MLP 768, 6.4M parameters) and a 4-layer dim-128 llama
@@ -37,13 +48,13 @@ default rows leave out ``ours_rollout``, whose one unrolled graph grows with T (
 with ``--rows``).
 
 Writes ``ppo_bench.md``, ``ppo_bench.json``, ``ppo_bench.png`` (matplotlib, optional) and one
-log per row to ``--out``. The parts live in ``benchmarks/ppo_bench/``: ``rows`` (what each
-row runs, in its child process), ``running`` (launching rows, budgets, timeouts), ``summary``
-and ``report`` (medians, markdown, JSON, chart).
+log per row to ``--out``. The parts live in ``benchmarks/ppo/ppo_bench/``: ``rows`` (what each
+row runs, in its worker process), ``running`` (starting the workers, budgets, timeouts,
+interleaving), ``summary`` and ``report`` (medians, per-pair ratios, markdown, JSON, chart);
+the interleaved driver, the worker protocol and the machine state are ``benchmarks/bench_common``.
 """
 
 import argparse
-import os
 import shlex
 import shutil
 import sys
@@ -52,13 +63,16 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ppo_bench.random_model import CPU_LARGE, build_assets, gpu_preset
-from ppo_bench.report import hardware, write_report
-from ppo_bench.rows import CPU_LARGE_ROWS, QUICK_ROWS, ROWS
-from ppo_bench.running import run_rows
-from ppo_bench.summary import add_speedups
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_common.machine import CpuMeter, headline_verdict, loadavg, machine_info  # noqa: E402
+from ppo_bench.random_model import CPU_LARGE, build_assets, gpu_preset  # noqa: E402
+from ppo_bench.report import hardware, write_report  # noqa: E402
+from ppo_bench.rows import CPU_LARGE_ROWS, GPU_ROWS, QUICK_ROWS, ROWS  # noqa: E402
+from ppo_bench.running import run_rows  # noqa: E402
+from ppo_bench.summary import add_ratios  # noqa: E402
+
 DEFAULT_CONFIG = ROOT / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
 TINY_MODEL = "tiny demo task (4-layer policy, 2-layer reward model)"
 
@@ -71,7 +85,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="overrides of our config (also carried into torchtune's), e.g. tokenizer.path=...")
-    p.add_argument("--steps", type=int, default=None, help="measured steps per row")
+    p.add_argument("--max-steps", "--steps", dest="max_steps", type=int, default=None,
+                   help="measured steps per row at most (the cap on pairs; default 40, --gpu 10)")
+    p.add_argument("--min-steps", type=int, default=None,
+                   help="measured steps before the interval test may stop the run (default 6)")
+    p.add_argument("--target-width", type=float, default=0.05,
+                   help="stop once every ratio's 95%% interval is within ± this of its median")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per row (not measured)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--forward-batch-size", type=int, default=None)
@@ -97,17 +116,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="limit of one row, compile included (default: 120 with --gpu)")
     args = p.parse_args(argv)
     if args.quick:
-        defaults = dict(steps=1, warmup=1, batch_size=4, forward_batch_size=4, ppo_batch_size=4,
-                        max_generated_tokens=16 if args.cpu_large else 8)
+        defaults = dict(max_steps=1, min_steps=1, warmup=1, batch_size=4, forward_batch_size=4,
+                        ppo_batch_size=4, max_generated_tokens=16 if args.cpu_large else 8)
     elif args.cpu_large:
-        defaults = dict(steps=4, warmup=2, batch_size=32, forward_batch_size=16, ppo_batch_size=16,
-                        max_generated_tokens=64)
+        defaults = dict(max_steps=40, warmup=2, batch_size=32, forward_batch_size=16,
+                        ppo_batch_size=16, max_generated_tokens=64)
     elif args.gpu:
-        defaults = dict(steps=3, warmup=2, batch_size=32, forward_batch_size=16, ppo_batch_size=16,
-                        max_prompt_len=16, max_generated_tokens=64, budget_s=450.0,
-                        row_timeout_s=120.0)
+        defaults = dict(max_steps=10, warmup=2, batch_size=32, forward_batch_size=16,
+                        ppo_batch_size=16, max_prompt_len=16, max_generated_tokens=64,
+                        budget_s=450.0, row_timeout_s=120.0)
     else:
-        defaults = dict(steps=4, warmup=2, batch_size=32, forward_batch_size=16, ppo_batch_size=16)
+        defaults = dict(max_steps=40, warmup=2, batch_size=32, forward_batch_size=16, ppo_batch_size=16)
+    defaults.setdefault("min_steps", 6)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -116,7 +136,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.rows:
         names = args.rows.split(",")
     else:
-        names = list(QUICK_ROWS if args.quick else CPU_LARGE_ROWS if args.cpu_large else ROWS)
+        names = list(QUICK_ROWS if args.quick else CPU_LARGE_ROWS if args.cpu_large
+                     else GPU_ROWS if args.gpu else ROWS)
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         p.error(f"unknown rows {unknown}; valid: {list(ROWS)}")
@@ -133,7 +154,8 @@ def setup_block(args: argparse.Namespace, ours: Dict[str, Any], model: str) -> D
         "max_prompt_len": ours["max_prompt_len"], "max_generated_tokens": ours["max_generated_tokens"],
         "temperature": ours["temperature"], "top_k": ours["top_k"],
         "stop_token_ids": list(ours["stop_token_ids"]),
-        "warmup": args.warmup, "steps": args.steps,
+        "warmup": args.warmup, "max_steps": args.max_steps, "min_steps": args.min_steps,
+        "target_width": args.target_width,
     }
 
 
@@ -155,18 +177,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         # The user's --set comes last: it may change what the preset sets (stop_token_ids).
         args.set = extra + list(args.set)
         model, models = preset.describe(), (policy, reward)
-    loadavg_start = "%.2f / %.2f / %.2f" % os.getloadavg()
-    rows, ours = run_rows(args, work, models)
-    fastest = add_speedups(rows)
+    before, meter = loadavg(), CpuMeter()
+    rows, ours, run, threads = run_rows(args, work, models, meter)
+    fastest = add_ratios(rows, args.warmup)
+    machine = {**machine_info(ROOT, threads), "loadavg_before": before, "loadavg_after": loadavg()}
     report = {
         "hardware": hardware(args.device),
         "torch": torch.__version__,
         "torchtune": torchtune.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_ppo.py",
+        "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/ppo/bench_ppo.py",
                                                      *(sys.argv[1:] if argv is None else argv)]),
-        "loadavg_start": loadavg_start,
-        "loadavg_end": "%.2f / %.2f / %.2f" % os.getloadavg(),
+        "machine": machine,
+        "verdict": headline_verdict(meter.total(), run.samples, threads),
+        "stop": run.describe_stop(args.target_width, args.max_steps),
+        "rounds": run.rounds,
+        "machine_per_round": run.samples,
         "setup": setup_block(args, ours, model),
         "fastest_torchtune": fastest,
         "rows": rows,

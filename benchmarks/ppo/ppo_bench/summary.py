@@ -1,11 +1,15 @@
-"""Per-row summaries: steady-state medians, the whole run, compile cost, speedups."""
+"""Per-row summaries: steady-state medians, the whole run, compile cost, per-pair ratios."""
 
 import statistics
 from typing import Any, Dict, List, Optional
 
+from bench_common.stats import pair_ratios, summarize_ratios
+
 # The phases a step is split into; "other" is the step time the others leave.
 PHASES = ("generate", "score", "advantages", "loss_step", "optimizer", "other")
 TIMED_PHASES = PHASES[:-1]
+# What the ratio tables compare, per pair of steps: the whole step, then each timed phase.
+RATIO_KEYS = ("step_s",) + TIMED_PHASES
 
 
 def summarize(name: str, label: str, result: Dict[str, Any], *, warmup: int, batch_size: int,
@@ -15,8 +19,9 @@ def summarize(name: str, label: str, result: Dict[str, Any], *, warmup: int, bat
     Args:
         name (str): the row's key in ``ROWS``.
         label (str): the row's label.
-        result (Dict[str, Any]): what the row's process wrote (see ``ppo_bench.rows``), or a
-            ``status`` other than ``"ok"`` with a ``reason``.
+        result (Dict[str, Any]): the row's steps as its worker replied them (see
+            ``ppo_bench.rows``) and its "done" reply, or a ``status`` other than ``"ok"`` with
+            a ``reason``.
         warmup (int): the leading steps left out of the medians.
         batch_size (int): prompts per step.
         gen_tokens (int): generated tokens per prompt (T).
@@ -77,11 +82,18 @@ def _max_or_none(values: List[Optional[float]]) -> Optional[float]:
     return None if not values or None in values else max(values)
 
 
-def add_speedups(rows: List[Dict[str, Any]]) -> Optional[str]:
-    """Adds ``speedup_vs_row1`` and ``speedup_vs_fastest_torchtune`` (ratios of median step times).
+def add_ratios(rows: List[Dict[str, Any]], warmup: int) -> Optional[str]:
+    """Adds each row's per-pair ratios against row 1 (``tt_eager``) and the fastest torchtune row.
+
+    For every key of ``RATIO_KEYS``: the summary of ``reference / row`` over the measured
+    rounds both ran (``bench_common.stats.summarize_ratios``: median, 95% interval, min-max),
+    as ``ratios_vs_row1`` and ``ratios_vs_fastest_torchtune``; ``speedup_vs_row1`` and
+    ``speedup_vs_fastest_torchtune`` are the step's median ratio. The fastest torchtune row is
+    the one with the lowest median step.
 
     Args:
         rows (List[Dict[str, Any]]): summaries from ``summarize``, in table order.
+        warmup (int): the leading rounds left out.
 
     Returns:
         Optional[str]: the name of the fastest torchtune row, if any ran.
@@ -91,6 +103,9 @@ def add_speedups(rows: List[Dict[str, Any]]) -> Optional[str]:
     torchtune_rows = [r for r in ok if r["name"].startswith("tt_")]
     fastest = min(torchtune_rows, key=lambda r: r["step_s"]) if torchtune_rows else None
     for r in ok:
-        r["speedup_vs_row1"] = first["step_s"] / r["step_s"] if first else None
-        r["speedup_vs_fastest_torchtune"] = fastest["step_s"] / r["step_s"] if fastest else None
+        for suffix, ref in (("row1", first), ("fastest_torchtune", fastest)):
+            ratios = None if ref is None else {
+                k: summarize_ratios(pair_ratios(ref["steps"], r["steps"], k, warmup)) for k in RATIO_KEYS}
+            r[f"ratios_vs_{suffix}"] = ratios
+            r[f"speedup_vs_{suffix}"] = ratios["step_s"]["median"] if ratios and ratios["step_s"] else None
     return fastest["name"] if fastest else None

@@ -9,7 +9,7 @@ Two numbers, fp32, torch's default threads:
   policy in turn, as ``nn.Linear`` lays them out (``x @ W.t()``): the time one decode step of
   16 rows cannot go below, and the rate at which it streams the weights.
 
-    python benchmarks/gemm_bound.py
+    python benchmarks/bounds/gemm_bound.py
 """
 
 import time

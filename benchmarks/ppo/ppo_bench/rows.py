@@ -1,0 +1,100 @@
+"""What each row runs, and the worker process that runs one.
+
+Each row runs in its own long-lived process (clean dynamo state, clean peak memory), started by
+``running`` as ``python -m ppo_bench.rows --spec SPEC.json`` and driven one PPO step at a time
+(``bench_common.protocol``). The spec holds everything the row needs (``recipe``, ``device``,
+``threads``, ``cfg``). Each "step" reply holds one dict with ``step_s``, the phase seconds,
+``prompt_len``, ``recompiles`` (graphs compiled since the end of step 1), ``graphs`` (graphs
+compiled since ``train()`` began), ``response_len`` (the batch's mean valid response tokens),
+``slots_per_token`` (loss-step token slots per real token) and ``active_s`` (from the driver's
+command to the step's end); the "done" reply adds ``whole_run_s``, ``policy_params``,
+``threads`` and the peak memory.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the table: which recipe runs, and what its config changes."""
+
+    label: str
+    recipe: str  # "torchtune" or "ours"
+    overrides: Dict[str, Any]
+
+
+# Our rows name every compile region: the config refuses a block that leaves one out.
+ROWS = {
+    "tt_eager": Row("torchtune, eager, no KV cache", "torchtune",
+                    {"compile": False, "enable_kv_cache": False}),
+    "tt_kv": Row("torchtune, eager, KV cache", "torchtune",
+                 {"compile": False, "enable_kv_cache": True}),
+    "tt_compile": Row("torchtune, compile=True, KV cache", "torchtune",
+                      {"compile": True, "enable_kv_cache": True}),
+    "ours_eager": Row("ours, eager", "ours", {"compile": {
+        "generate": False, "trajectory": False, "loss_step": False, "rollout": False}}),
+    "ours_generate": Row("ours, + compile.generate", "ours", {"compile": {
+        "generate": True, "trajectory": False, "loss_step": False, "rollout": False}}),
+    "ours_trajectory": Row("ours, + compile.trajectory", "ours", {"compile": {
+        "generate": True, "trajectory": True, "loss_step": False, "rollout": False}}),
+    "ours_all": Row("ours, + compile.loss_step (all)", "ours", {"compile": {
+        "generate": True, "trajectory": True, "loss_step": True, "rollout": False}}),
+    # compile.rollout replaces generate + trajectory: steps 1-6 are one compiled region.
+    "ours_rollout": Row("ours, compile.rollout + loss_step", "ours", {"compile": {
+        "generate": False, "trajectory": False, "loss_step": True, "rollout": True}}),
+}
+QUICK_ROWS = ("tt_eager", "ours_eager")
+# --cpu-large: every row but compile.rollout, whose one graph unrolls all T = 64 decode steps
+# (on the tiny task, T = 24, it already took 435 s to compile); --rows still runs it.
+CPU_LARGE_ROWS = tuple(name for name in ROWS if name != "ours_rollout")
+
+
+# --gpu: every row of a run stays in memory while the rows take turns (four 1B-body models and
+# their optimizer state each, ~25 GB), so two rows by default: torchtune's fastest, ours.
+GPU_ROWS = ("tt_compile", "ours_all")
+
+
+class _Row:
+    """A row for ``protocol.serve``: the recipe's row, then its peak memory and threads."""
+
+    def __init__(self, spec: Dict[str, Any]):
+        import torch
+
+        if spec.get("threads"):
+            torch.set_num_threads(spec["threads"])
+        if spec["recipe"] != "torchtune":
+            # Our recipe sets its own thread count (cpu_threads, default: all cores but one);
+            # every row runs with the same count as torchtune's.
+            spec["cfg"]["cpu_threads"] = torch.get_num_threads()
+        if spec["recipe"] == "torchtune":
+            from .torchtune_row import TorchtuneRow as Recipe
+        else:
+            from .ours_row import OursRow as Recipe
+        self.device = spec["cfg"]["device"]
+        self.row = Recipe(spec["cfg"])
+        self.info = {"threads": torch.get_num_threads()}
+
+    def run(self, on_step) -> None:
+        self.row.run(on_step)
+
+    def finish(self) -> Dict[str, Any]:
+        import torch
+
+        from .device import peak_memory
+
+        return {**self.row.finish(), "threads": torch.get_num_threads(), **peak_memory(self.device)}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Run one row of the PPO step benchmark as a worker.")
+    parser.add_argument("--spec", type=Path, required=True)
+    cli = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: bench_common
+    from bench_common.protocol import serve
+
+    serve(lambda: _Row(json.loads(cli.spec.read_text())))
