@@ -18,6 +18,7 @@ from torchtune import config, training
 
 import torchtune_ppo
 from torchtune_ppo.checkpointing import store as ckpt
+from torchtune_ppo.checkpointing import training_state
 
 HF = "torchtune.training.FullModelHFCheckpointer"
 
@@ -74,7 +75,7 @@ def test_save_then_load_round_trip(run, state_dicts):
     opt.step()
     g = torch.Generator().manual_seed(7)
     state = {"optimizer": opt.state_dict(), "step": 5, "samples_seen": 80,
-             "rng": ckpt.capture_rng_state([g])}
+             "rng": training_state.capture_rng_state([g])}
 
     path = ckpt.CheckpointManager(out, policy, value).save(5, psd, vsd, state)
     assert path == out / "checkpoints" / "step_5"
@@ -116,15 +117,15 @@ def test_rng_capture_restore_reproduces_draws(tmp_path):
         return (torch.rand(4), random.random(), torch.rand(3, generator=g1),
                 torch.randint(0, 100, (3,), generator=g2))
 
-    state = ckpt.capture_rng_state([g1, g2])
+    state = training_state.capture_rng_state([g1, g2])
     torch.save(state, tmp_path / "rng.pt")  # through disk, as in training_state.pt
     first = draws()
-    ckpt.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True), [g1, g2])
+    training_state.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True), [g1, g2])
     second = draws()
     for a, b in zip(first, second):
         assert torch.equal(a, b) if torch.is_tensor(a) else a == b
     with pytest.raises(ValueError, match="2 generators, 1 given"):
-        ckpt.restore_rng_state(state, [g1])
+        training_state.restore_rng_state(state, [g1])
 
 
 def test_non_finite_weights_write_nothing(run, state_dicts):
@@ -189,6 +190,23 @@ def test_crash_during_save_leaves_previous_checkpoint(run, state_dicts, caplog):
     assert _step_dirs(out) == ["step_1", "step_2"]
 
 
+def test_save_removes_dead_processes_leftovers_only(run, state_dicts):
+    # A temporary folder of a live process (another save still writing) must survive a save;
+    # the crash test above only ever leaves a dead process's.
+    out, policy, value = run
+    psd, vsd = state_dicts
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    root = out / "checkpoints"
+    live_tmp, dead_tmp = root / f".tmp_step_7_{os.getppid()}", root / f".tmp_step_8_{dead.pid}"
+    for tmp in (live_tmp, dead_tmp):
+        (tmp / "policy").mkdir(parents=True)
+    ckpt.CheckpointManager(out, policy, value).save(1, psd, vsd, {"step": 1})
+    assert _step_dirs(out) == [live_tmp.name, "step_1"]
+    assert (live_tmp / "policy").is_dir()
+    assert ckpt.latest_checkpoint(out) == root / "step_1"
+
+
 def test_folder_without_valid_marker_is_skipped(run, state_dicts, caplog):
     out, policy, value = run
     psd, vsd = state_dicts
@@ -251,6 +269,24 @@ def test_prune_keeps_last_n_only_after_a_completed_save(run, state_dicts, monkey
 
     manager.save(4, psd, vsd, {"step": 4})
     assert _step_dirs(out) == ["step_3", "step_4"]
+
+
+def test_steps_are_ordered_as_numbers_past_nine(run, state_dicts):
+    # As strings step_10 and step_11 sort before step_9: the newest would be step_9, and
+    # pruning would delete step_10 instead of step_9.
+    out, policy, value = run
+    psd, vsd = state_dicts
+    root = out / "checkpoints"
+    keep_all = ckpt.CheckpointManager(out, policy, value)
+    for step in (9, 10):
+        keep_all.save(step, psd, vsd, {"step": step})
+    assert ckpt.latest_checkpoint(out) == root / "step_10"
+    assert ckpt.checkpoint_to_resume(out, resume=True) == str(root / "step_10")
+
+    ckpt.CheckpointManager(out, policy, value, keep_last_n=2).save(11, psd, vsd, {"step": 11})
+    assert _step_dirs(out) == ["step_10", "step_11"]
+    assert ckpt.latest_checkpoint(out) == root / "step_11"
+    assert ckpt.load_training_state(ckpt.latest_checkpoint(out)) == {"step": 11}
 
 
 def test_prune_keeps_the_checkpoint_a_run_resumed_from(run, state_dicts):

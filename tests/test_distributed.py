@@ -13,6 +13,9 @@ from omegaconf import OmegaConf
 from torchtune import training
 from torchtune.training import FullModelHFCheckpointer
 
+from torchtune_ppo import distributed
+from torchtune_ppo.ppo import packing
+from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.run import memory
 from torchtune_ppo.config import validate_config
 from torchtune_ppo.run.logs import read_disk_log
@@ -79,6 +82,103 @@ def test_memory_plan_per_device_of_several_processes():
     assert sharded[0] == n_policy * 4 and sharded[6] == max(n_policy, n_policy + 2 * n_value) * 4
     fused = plan(2, "shard_frozen_models=True", "compile.rollout=True")
     assert fused[6] == 2 * (n_policy + n_value) * 4  # one region: all four at once
+
+
+def _packed_minibatch(policy, value, micro_batches, prompt_len=6, response_len=5, seed=0):
+    """The fixed-shape packed micro-steps (as under FSDP) of a small ragged batch."""
+    from types import SimpleNamespace
+
+    from conftest import PAD_ID, VOCAB, left_padded_prompts
+
+    prompt_lens, stops = [3, 6, 1, 4], [2, None, 0, 3]  # None: no stop token
+    b, s = len(prompt_lens), prompt_len + response_len
+    g = torch.Generator().manual_seed(seed)
+    responses = torch.randint(3, VOCAB, (b, response_len), generator=g)
+    padding = torch.zeros(b, response_len, dtype=torch.bool)
+    for i, stop in enumerate(stops):
+        if stop is not None:
+            padding[i, stop + 1:] = True
+    masks = torch.zeros(b, s, s, dtype=torch.bool)
+    for i, n in enumerate(prompt_lens):  # packing reads the prompt lengths from this row
+        masks[i, prompt_len, prompt_len - n : prompt_len + 1] = True
+    valid = ~padding
+    traj = SimpleNamespace(
+        query_responses=torch.cat([left_padded_prompts(prompt_lens, prompt_len, seed), responses], 1),
+        masks=masks, response_padding_masks=padding,
+        logprobs=-torch.rand(b, response_len, generator=g) * 4 * valid,
+        values=torch.randn(b, response_len, generator=g) * valid,
+    )
+    advantages = torch.randn(b, response_len, generator=g) * valid
+    returns = torch.randn(b, response_len, generator=g) * valid
+    lengths = packing.sequence_lengths(traj, prompt_len)
+    rows = packing.default_rows(len(micro_batches[0]), fixed_shapes=True)
+    return packing.pack_minibatch(traj, advantages, returns, micro_batches, lengths,
+                                  prompt_len=prompt_len, rows=rows, num_chunks=2, fixed_shapes=True)
+
+
+def test_padded_micro_steps_add_no_loss_no_gradient_no_stats(monkeypatch):
+    # A rank with fewer micro-steps than another runs extra ones so that both make as many FSDP
+    # passes; those must count for nothing, or this rank's loss is counted twice.
+    from conftest import tiny_classifier, tiny_policy
+
+    policy, value = tiny_policy(0), tiny_classifier(1)
+    micro_batches = [[0, 2], [1, 3]]
+    steps = _packed_minibatch(policy, value, micro_batches)
+    # 2 ranks, the other with 2 more micro-steps than this one (all_reduce MAX gives its count)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed.dist, "all_reduce", lambda t, op=None: t.fill_(len(steps) + 2))
+    padded = distributed.pad_micro_steps(steps)
+    monkeypatch.undo()
+    assert len(padded) == len(steps) + 2
+    assert all(a is b for a, b in zip(padded, steps))
+
+    hp = dict(temperature=0.7, epsilon=0.2, value_clip_range=0.2, value_coeff=0.1,
+              num_micro_batches=len(micro_batches))
+    params = [p for m in (policy, value) for p in m.parameters()]
+
+    def run(micro_steps):
+        for p in params:
+            p.grad = None
+        total, stats = 0.0, []
+        for step in micro_steps:
+            loss, s = packed_ppo_loss_step(policy, value, *step, **hp)
+            loss.backward()
+            total = total + loss.detach()
+            stats.append(s)
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+        return total, packing.micro_batch_stats(stats), grads
+
+    real_loss, real_stats, real_grads = run(steps)
+    assert real_loss != 0 and any(g.abs().sum() > 0 for g in real_grads)  # not vacuous
+    for filler in padded[len(steps):]:
+        loss, stats, grads = run([filler])
+        assert loss.item() == 0.0
+        for s in stats:
+            assert all(x.item() == 0.0 for x in s), s
+        assert all(g.abs().sum() == 0 for g in grads)
+    # the rank's minibatch with its padding: exactly its own loss, stats and gradients
+    loss, stats, grads = run(padded)
+    torch.testing.assert_close(loss, real_loss, rtol=0, atol=0)
+    for a, b in zip(stats, real_stats):
+        torch.testing.assert_close(torch.stack(a), torch.stack(b), rtol=0, atol=0)
+    for a, b in zip(grads, real_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mine,other,agreed", [(None, 15, 15), (2, 0, 2), (None, 0, None)],
+                         ids=["other rank signalled", "this rank signalled", "none"])
+def test_ranks_agree_on_a_stop_signal(monkeypatch, mine, other, agreed):
+    from torchtune_ppo.run.interrupt import StopRequest
+
+    def all_reduce_max(t, op=None):  # the other rank's signum (0: none), MAX-reduced
+        t.copy_(torch.maximum(t, torch.tensor(other)))
+
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce_max)
+    stop = StopRequest()
+    stop.signum = mine
+    distributed.agree_on_stop(stop)
+    assert stop.signum == agreed and bool(stop) == (agreed is not None)
 
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")

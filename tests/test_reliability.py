@@ -32,6 +32,7 @@ from torchtune import config, training
 import torchtune_ppo
 from torchtune_ppo.checkpointing import store as checkpointing
 from torchtune_ppo.config import validate_config
+from torchtune_ppo.run.interrupt import stop_on_signals
 from torchtune_ppo.run.logs import read_disk_log
 from torchtune_ppo.tasks.tiny_sentiment import POLICY_DIMS, REWARD_DIMS
 
@@ -527,6 +528,55 @@ def test_diverging_learning_rate_stops_with_finite_checkpoints(tmp_path, prompts
 
 
 # ----------------------------------------------------------------------------- SIGINT / SIGTERM
+
+
+def _signal_self(sig, until=lambda: False, seconds=2.0):
+    """Send ``sig`` to this process, then wait in short sleeps (between which Python runs
+    signal handlers, whichever thread the signal reached) until ``until()`` or ``seconds``."""
+    os.kill(os.getpid(), sig)
+    deadline = time.monotonic() + seconds
+    while not until() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_first_signal_asks_to_stop_a_second_stops_at_once(sig):
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with stop_on_signals() as stop:
+        assert not stop
+        _signal_self(sig, until=lambda: bool(stop))
+        assert stop and stop.signum == sig  # no exception: the step goes on
+        if sig == signal.SIGINT:
+            with pytest.raises(KeyboardInterrupt):
+                _signal_self(sig)  # raises from inside the wait
+                pytest.fail("the second SIGINT did not interrupt")
+        else:
+            # Sending it would end this process: the second SIGTERM gets the default action.
+            assert signal.getsignal(sig) is signal.SIG_DFL
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_second_sigint_stops_the_run_without_finishing_the_step_or_saving(tmp_path, prompts):
+    # Both signals arrive during step 2 (in on_step, before the step's stop check and save).
+    out = tmp_path / "run"
+    recipe = _build(out, prompts, "num_ppo_steps=6", "save_every_n_steps=1000")
+    steps, before = [], signal.getsignal(signal.SIGINT)
+
+    def on_step(step, metrics):
+        steps.append(step)
+        if step == 2:
+            _signal_self(signal.SIGINT, seconds=0.3)  # asks to stop after this step
+            _signal_self(signal.SIGINT, seconds=10)  # stops now
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            recipe.train(on_step)
+    finally:
+        recipe.cleanup()
+    assert steps == [1, 2]
+    # Nothing saved: not the step the signals came in, not a final checkpoint.
+    assert checkpointing.existing_checkpoints(out) == []
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def _wait_for_steps(out, n, proc):

@@ -68,8 +68,9 @@ def test_truncate_after_stop_token_matches_torchtune_docstring_example():
 
 
 def test_rewards_kl_penalty_and_score_at_last_valid_token():
+    # Row 0's masked tokens have logprobs unlike the reference's: their KL must still be 0.
     logprobs = T([[-1.0, -2.0, -0.5, 0.0], [-1.0, -1.0, -1.0, -1.0]])
-    ref = T([[-1.5, -1.0, -0.5, 0.0], [-2.0, -1.0, -1.0, -3.0]])
+    ref = T([[-1.5, -1.0, -2.5, -4.0], [-2.0, -1.0, -1.0, -3.0]])
     masks = T([[True, True, False, False], [True, True, True, True]])
     seq_lens = T([2, 4])
     scores = T([10.0, -4.0])
@@ -82,9 +83,10 @@ def test_rewards_kl_penalty_and_score_at_last_valid_token():
 
 
 def test_gae_by_hand():
-    # one row, two valid steps; gamma=0.5, lambda=0.5
-    values = T([[1.0, 2.0, 0.0]])
-    rewards = T([[0.0, 3.0, 0.0]])
+    # one row, two valid steps; gamma=0.5, lambda=0.5. The masked step's value and reward are
+    # not 0: they must not reach the valid steps (the recursion ends at the last valid token).
+    values = T([[1.0, 2.0, 5.0]])
+    rewards = T([[0.0, 3.0, 7.0]])
     masks = T([[True, True, False]])
     gamma, lmbda = 0.5, 0.5
     # t=1: delta = 3 + 0.5*0 - 2 = 1; A1 = 1
@@ -97,6 +99,16 @@ def test_gae_by_hand():
     expected = (raw_adv - 0.625) / std
     torch.testing.assert_close(advantages[:, :2], expected, atol=1e-5, rtol=0)
     assert advantages[0, 2] == 0
+
+
+def test_whiten_reduced_over_one_process_is_the_local_whiten():
+    # The several-process path (sums through `reduce`) with the identity for one process.
+    torch.manual_seed(4)
+    x = torch.randn(3, 6) * 2 + 3
+    mask = torch.rand(3, 6) > 0.4
+    reduced = rlhf.whiten(x, mask, reduce=lambda t: t)
+    torch.testing.assert_close(reduced, rlhf.whiten(x, mask), atol=1e-6, rtol=1e-6)
+    assert torch.all(reduced[~mask] == 0)
 
 
 def test_gae_matches_torchtune_when_nothing_is_masked():
