@@ -25,6 +25,7 @@ import torch
 from omegaconf import DictConfig
 from torchtune import config, modules, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
+from torchtune.training.metric_logging import DiskLogger
 from tqdm import tqdm
 
 from torchtune_ppo import checkpointing, compile as compiling, distributed
@@ -98,7 +99,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         if not self._is_rank_zero:
             self._metric_logger = NullMetricLogger()
         elif cfg.metric_logger is None:
-            self._metric_logger = training.metric_logging.DiskLogger(log_dir=f"{cfg.output_dir}/logs")
+            self._metric_logger = DiskLogger(log_dir=f"{cfg.output_dir}/logs")
         else:
             self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
@@ -354,4 +355,7 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from torchtune_ppo.cli import resolve_config_arg
+
+    sys.argv = resolve_config_arg(sys.argv)  # `--config tiny/ppo_tiny_sentiment`: a shipped config
     sys.exit(recipe_main())

@@ -223,17 +223,18 @@ class _NanGrad(torch.autograd.Function):
 
 
 def _record_updates(recipe):
-    """Wrap ``_optimizer_step``: ``[(step, applied, weights_changed)]`` for every minibatch update."""
+    """Wrap the update's optimizer step: ``[(step, applied, weights_changed)]`` for every
+    minibatch update."""
     updates = []
-    step_fn = recipe._optimizer_step
+    step_fn = recipe._update._optimizer_step
 
-    def optimizer_step(minibatch_stats):
+    def optimizer_step(minibatch_stats, step):
         before = _params(recipe)
-        applied = step_fn(minibatch_stats)
+        applied = step_fn(minibatch_stats, step)
         updates.append((recipe.steps_run + 1, applied, not _same_params(before, _params(recipe))))
         return applied
 
-    recipe._optimizer_step = optimizer_step
+    recipe._update._optimizer_step = optimizer_step
     return updates
 
 
@@ -364,7 +365,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, prompts, tw
 # ----------------------------------------------------------------------------- non-finite values
 
 
-def test_nonfinite_score_loss_and_gradient_skip_only_their_update(tmp_path, prompts, caplog):
+def test_nonfinite_score_loss_and_gradient_skip_only_their_update(tmp_path, prompts, caplog, monkeypatch):
     out = tmp_path / "run"
     # Skips at steps 2, 4 and 6 never come two in a row: with the limit at 2 the run must finish.
     recipe = _build(out, prompts, "num_ppo_steps=6", *SAVE_EVERY_2, "max_consecutive_skipped_steps=2")
@@ -380,17 +381,20 @@ def test_nonfinite_score_loss_and_gradient_skip_only_their_update(tmp_path, prom
             trajectory = trajectory._replace(scores=scores)
         return trajectory
 
-    estimate_advantages = recipe.estimate_advantages
+    import ppo_full_finetune
+
+    estimate_advantages = ppo_full_finetune.estimate_advantages
 
     def advantages_with_nan(*args, **kwargs):
-        advantages, *rest = estimate_advantages(*args, **kwargs)
+        adv = estimate_advantages(*args, **kwargs)
         if recipe.steps_run + 1 == 4:
             # One row's advantages: the one minibatch holding it in each PPO epoch has a NaN loss.
-            advantages = advantages.clone()
+            advantages = adv.advantages.clone()
             advantages[3] = float("nan")
-        return (advantages, *rest)
+            adv = adv._replace(advantages=advantages)
+        return adv
 
-    loss_step = recipe._ppo_loss_step
+    loss_step = recipe._update.loss_step
     calls = collections.Counter()
 
     def loss_step_with_nan_gradient(*args, **kwargs):
@@ -402,8 +406,8 @@ def test_nonfinite_score_loss_and_gradient_skip_only_their_update(tmp_path, prom
         return loss, stats
 
     recipe._rollout = rollout_with_nan
-    recipe.estimate_advantages = advantages_with_nan
-    recipe._ppo_loss_step = loss_step_with_nan_gradient
+    monkeypatch.setattr(ppo_full_finetune, "estimate_advantages", advantages_with_nan)
+    recipe._update.loss_step = loss_step_with_nan_gradient
 
     metrics, weights = {}, {0: _params(recipe)}
 
@@ -440,7 +444,7 @@ def test_nonfinite_score_loss_and_gradient_skip_only_their_update(tmp_path, prom
     assert math.isnan(metrics[2]["loss"])  # no update applied in step 2
     assert all(math.isfinite(metrics[s]["loss"]) for s in (1, 3, 4, 5, 6))
     # Only applied updates reach the optimizer: 4 + 0 + 4 + 2 + 4 + 3.
-    adam_steps = {float(s["step"]) for s in recipe._optimizer.state_dict()["state"].values()}
+    adam_steps = {float(s["step"]) for s in recipe._update.optimizer.state_dict()["state"].values()}
     assert adam_steps == {17.0}
 
     warnings = _nonfinite_warnings(caplog)

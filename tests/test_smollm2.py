@@ -17,6 +17,7 @@ tests skip, except under ``CI=true``, where they fail.
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -403,3 +404,22 @@ def test_prompt_dataset_renders_chat_prompts_as_transformers_does(tokenizer, hf_
             assert ds[i]["reference"] == row["answer"]
     with pytest.raises(ValueError, match="system_prompt is used only with chat=True"):
         prompt_dataset(tokenizer, "json", data_files=str(data), system_prompt="x")
+
+
+def test_the_smollm2_config_runs_two_steps_through_tune_run(folder, tmp_path):
+    """The shipped config, small sizes, eager: 2 PPO steps on the real model, a checkpoint."""
+    import subprocess
+
+    config = ROOT / "recipes/configs/smollm2/135M_ppo_arithmetic.yaml"
+    out = tmp_path / "run"
+    env = {**os.environ, "TORCHTUNE_PPO_SMOLLM2_DIR": str(folder), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    cmd = ["tune", "run", "ppo_full_finetune", "--config", str(config), f"output_dir={out}", "num_ppo_steps=2",
+           "batch_size=4", "forward_batch_size=4", "ppo_batch_size=4", "max_generated_tokens=6",
+           "log_every_n_steps=1"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    from torchtune_ppo.run.logs import read_disk_log
+
+    rows = read_disk_log(out / "logs")
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) and math.isfinite(r["kl"]) for r in rows), rows
+    assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
