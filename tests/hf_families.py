@@ -1,6 +1,6 @@
 """Tiny random Hugging Face models of each family and the matching torchtune builds.
 
-Shared by tests/test_models_hf.py. Each :class:`Family` pairs a transformers config (small
+Shared by tests/parity/test_models_hf.py. Each :class:`Family` pairs a transformers config (small
 dims, grouped-query attention, the family's RoPE, Qwen's qkv biases, tied or untied
 embeddings) with our / torchtune's builders at the same dims, and the checkpointer
 ``model_type`` that converts between them.

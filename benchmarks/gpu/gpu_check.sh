@@ -65,14 +65,14 @@ if [[ $DRY_RUN == 1 ]]; then
   GEN_ARGS=(--device cpu --gen-len 4 --max-steps 1 --warmup 1 --variants 'tt-kv,ours')
   GEN_MAX_BATCH=2
   PPO_ARGS=(--quick)
-  TESTS=(tests/test_rlhf.py)
+  TESTS=(tests/unit/test_rlhf.py)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # a shared 2-core machine
 else
   DEVICE=cuda DTYPE=bf16 SMOKE_STEPS=3 SMOKE_COMPILE=True
   GEN_ARGS=(--llama-1b --device cuda --max-steps 8)
   GEN_MAX_BATCH=1024
   PPO_ARGS=(--gpu)
-  TESTS=(tests/test_generation.py tests/test_loss_step.py tests/test_rlhf.py tests/test_trajectory.py)
+  TESTS=(tests/parity/test_generation.py tests/parity/test_loss_step.py tests/unit/test_rlhf.py tests/parity/test_trajectory.py)
 fi
 
 # ---------------------------------------------------------------------------------------------

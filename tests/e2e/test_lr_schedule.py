@@ -16,7 +16,7 @@ import torchtune_ppo
 from torchtune_ppo import checkpointing
 from torchtune_ppo.config import validate_config
 
-CONFIG = Path(__file__).parents[1] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
+CONFIG = Path(__file__).parents[2] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
 COSINE = "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup"
 # One minibatch of the whole batch, one PPO epoch: one optimizer update per PPO step.
 ONE_UPDATE_A_STEP = [

@@ -68,7 +68,7 @@ def test_eager_run_trains_and_saves_hf_checkpoints(tmp_path):
     assert max(diffs) > 1e-4
 
 
-GOLDEN = Path(__file__).parent / "golden" / "tiny_sentiment_eager_4_steps.json"
+GOLDEN = Path(__file__).parents[1] / "golden" / "tiny_sentiment_eager_4_steps.json"
 
 
 def test_seeded_run_logs_the_recorded_metrics(tmp_path):

@@ -8,7 +8,7 @@ inside its step, the whole run holds every step, the rows took turns, and the sp
 are the medians of the per-pair ratios of the steps recorded; the report carries the machine
 state and its headline verdict; and, for ``--cpu-large``, that both recipes trained the built
 policy with the preset's stop tokens. The driver itself is tested on fake rows in
-``tests/test_interleave.py``.
+``tests/unit/test_interleave.py``.
 """
 
 import json
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common
 sys.path.insert(0, str(ROOT / "benchmarks/ppo"))  # the benchmark's package, ppo_bench
 

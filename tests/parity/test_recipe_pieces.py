@@ -17,7 +17,7 @@ from torchtune_ppo.rollout.fused import score_trajectory
 from torchtune_ppo.rollout.trajectory import ScoringSettings, Trajectory, masks_and_positions
 from twins.loss_step import ppo_loss_step
 
-CONFIG = Path(__file__).parents[1] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
+CONFIG = Path(__file__).parents[2] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
 SMALL = dict(
     batch_size=8,
     forward_batch_size=4,

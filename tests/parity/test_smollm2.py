@@ -43,7 +43,7 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import prepare_smollm2  # noqa: E402  (tools/ is a folder of scripts, not a package)
 

@@ -21,7 +21,7 @@ from torchtune_ppo.config import validate_config
 from torchtune_ppo.run.logs import read_disk_log
 from torchtune_ppo.tasks.tiny_sentiment import tiny_policy, tiny_reward
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 CONFIG = ROOT / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
 TUNE = [sys.executable, "-m", "torchtune._cli.tune"]
 # Greedy, so both runs generate the same responses whatever their random streams. One

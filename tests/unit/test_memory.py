@@ -9,7 +9,7 @@ from torchtune_ppo.run import memory
 from torchtune_ppo.config import validate_config
 from torchtune_ppo.tasks.tiny_sentiment import tiny_policy, tiny_reward
 
-CONFIG = Path(__file__).parents[1] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
+CONFIG = Path(__file__).parents[2] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
 
 
 def _cfg(*overrides):

@@ -26,7 +26,7 @@ from torchtune_ppo.config import (
     validate_with_tokenizer,
 )
 
-CONFIG = Path(__file__).parents[1] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
+CONFIG = Path(__file__).parents[2] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
 
 
 def _cfg(**overrides):
@@ -387,7 +387,7 @@ def _tokenizer():
 
 
 def test_readme_config_keys_table_is_the_schema_table():
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     start = readme.index("## Config keys\n")
     section = readme[start:readme.index("\n## ", start)]
     rows = [line for line in section.splitlines() if line.startswith("|")]
