@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchtune.models.llama2._component_builders import llama2, llama2_classifier
+from torchtune.models.llama2 import llama2, llama2_classifier
 
 ROOT = Path(__file__).parents[1]
 TINY_CONFIG = ROOT / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
@@ -59,3 +59,11 @@ def models():
     for m in (ref, reward):
         m.eval().requires_grad_(False)
     return policy, ref, value, reward
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/e2e (``tune run``, torchrun, subprocesses) is ``slow``; unit and
+    parity tests that compile or load real weights carry the marker themselves."""
+    for item in items:
+        if "e2e" in item.path.parts:
+            item.add_marker(pytest.mark.slow)

@@ -116,7 +116,7 @@ def test_sample_hand_worked():
     torch.testing.assert_close(logprob, probs.log()[[0, 0]], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_greedy_matches_torchtune(model, greedy_compiled, compiled):
     gen = greedy_compiled if compiled else Generator(
         model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD,
@@ -134,7 +134,7 @@ def test_greedy_matches_torchtune(model, greedy_compiled, compiled):
     )
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_logprobs_match_full_forward(model, sampling_eager, sampling_compiled, compiled):
     gen = sampling_compiled if compiled else sampling_eager
     prompts = left_padded([3, P, 1, 6], seed=1)
@@ -169,6 +169,7 @@ def test_seeded_sampling(model):
     assert not torch.equal(a.query_responses, c.query_responses)
 
 
+@pytest.mark.slow  # compiles
 def test_eager_and_compiled_agree(sampling_eager, sampling_compiled):
     prompts = left_padded([2, 9, P], seed=4)
     eager = sampling_eager.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(3))
@@ -281,6 +282,7 @@ def test_invalid_arguments(model, sampling_eager):
             Generator(model, **{**args, **kwargs})
 
 
+@pytest.mark.slow  # compiles
 def test_zero_recompiles_across_batches_and_training(model, sampling_eager, sampling_compiled):
     from torch._dynamo.utils import counters
 

@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 from torchtune import rlhf as tt_rlhf
 from torchtune.rlhf.loss import PPOLoss
@@ -75,6 +76,7 @@ def test_loss_scale_scales_loss_and_grads():
     torch.testing.assert_close(policy.tok_embeddings.weight.grad, g1 * 0.25)
 
 
+@pytest.mark.slow  # compiles
 def test_compiled_loss_step_matches_eager_loss_and_grads():
     eager_models = (tiny_policy(), tiny_classifier())
     compiled_models = tuple(copy.deepcopy(m) for m in eager_models)

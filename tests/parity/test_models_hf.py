@@ -298,6 +298,7 @@ def _check_run(out):
     assert saved["id2label"] == {"0": "LABEL_0"}
 
 
+@pytest.mark.slow
 def test_config_runs_two_steps(standin, tmp_path):
     """Two PPO steps of the config with its models at tiny dims; in-process, as recipe_main does."""
     import ppo_full_finetune
@@ -314,6 +315,7 @@ def test_config_runs_two_steps(standin, tmp_path):
     _check_run(out)
 
 
+@pytest.mark.slow
 def test_config_runs_through_tune_run(tmp_path_factory, tmp_path):
     """The command a config's header gives, with path and size overrides (one config: the
     others differ only in what the in-process runs cover)."""
@@ -328,6 +330,7 @@ def test_config_runs_through_tune_run(tmp_path_factory, tmp_path):
     _check_run(out)
 
 
+@pytest.mark.slow
 def test_torchtunes_own_ppo_config_runs(tmp_path_factory, tmp_path, caplog):
     """torchtune 0.6.1's mistral/7B_full_ppo_low_memory.yaml, with only model paths, tokenizer,
     device and data changed (models at tiny dims, AdamW for bitsandbytes' PagedAdamW): it

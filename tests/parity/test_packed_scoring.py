@@ -212,6 +212,7 @@ def compiled():
     return maybe_compile(packed_score_trajectory, enabled=True)
 
 
+@pytest.mark.slow  # compiles
 @torch.no_grad()
 def test_compiled_packed_equals_padded_and_compiles_once(compiled, scoring_models):
     _, ref, value, reward = scoring_models

@@ -252,6 +252,7 @@ def compiled():
     return maybe_compile(packed_ppo_loss_step, enabled=True), (tiny_policy(), tiny_classifier())
 
 
+@pytest.mark.slow  # compiles
 def test_compiled_packed_matches_padded_and_never_recompiles(compiled):
     step_fn, (policy, value) = compiled
     counter = RecompileCounter()

@@ -1,6 +1,7 @@
 """The rollout: steps 1-6 as one region (compile.rollout) equal to the split path and compiled
 equal to eager; a function reward through :class:`Rollout` equal to the same scores in the graph."""
 
+import pytest
 import torch
 
 from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_policy
@@ -46,6 +47,7 @@ def test_greedy_rollout_equals_generate_then_score():
             assert torch.equal(a, b), name
 
 
+@pytest.mark.slow  # compiles
 @torch.no_grad()
 def test_compiled_rollout_equals_eager():
     gen, ref, value, reward = _setup(top_k=None)

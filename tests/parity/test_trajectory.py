@@ -1,5 +1,6 @@
 """Steps 2-6: truncation, masks, scores, penalties; eager against torchtune's math and compiled."""
 
+import pytest
 import torch
 from torchtune import generation, rlhf as tt_rlhf
 
@@ -104,6 +105,7 @@ def test_scores_do_not_depend_on_left_padding(models):
     assert a.seq_lens.tolist() == [3]
 
 
+@pytest.mark.slow  # compiles
 @torch.no_grad()
 def test_compiled_trajectory_equals_eager(models):
     from torchtune_ppo.compile import maybe_compile

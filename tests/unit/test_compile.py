@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from torchtune_ppo.compile import RecompileCounter, maybe_compile
@@ -10,6 +11,7 @@ def test_maybe_compile_off_returns_the_eager_function():
     assert maybe_compile(f, enabled=False) is f
 
 
+@pytest.mark.slow  # compiles
 def test_recompile_counter_sees_a_recompile():
     def f(x):
         return x * 3
@@ -33,6 +35,7 @@ def _global_compile_config():
     return configs
 
 
+@pytest.mark.slow  # compiles
 def test_compiling_our_regions_leaves_global_dynamo_config_alone():
     """A user's own torch.compile calls after ours must see the defaults they expect."""
     from torchtune_ppo.compile import skip_guard_checks
@@ -51,6 +54,7 @@ def test_compiling_our_regions_leaves_global_dynamo_config_alone():
     assert {k: v for k, v in after.items() if before.get(k) != v} == {}
 
 
+@pytest.mark.slow  # compiles
 def test_float_arguments_stay_constants_without_global_settings():
     # dynamic=False specializes Python floats: a new value is a new graph, never a symbol.
     def f(x, *, scale):

@@ -3,6 +3,7 @@ still finds what it touches: an upgrade that removes one fails here, not mid-run
 
 import inspect
 
+import pytest
 import torch
 from torchtune.modules import MultiHeadAttention
 
@@ -14,6 +15,7 @@ def test_every_patch_names_the_version_it_was_written_for():
         assert module.TESTED_WITH.split()[0] in ("torch", "torchtune"), module.__name__
 
 
+@pytest.mark.slow  # compiles
 def test_dynamo_stance_and_graph_counter_are_readable():
     assert hasattr(torch._dynamo.eval_frame, "_stance")
     assert dynamo.current_stance() == "default"
