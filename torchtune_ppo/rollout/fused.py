@@ -57,26 +57,11 @@ def score_trajectory(
     settings: ScoringSettings,
     scores: Optional[torch.Tensor] = None,
 ) -> Trajectory:
-    """Steps 2-6 of the PPO trajectory: logprobs, values, truncation, scores, masks.
-
-    Args:
-        query_responses (torch.Tensor): left-padded prompts then generated tokens ``[b, P + T]``.
-        prompt_lens (torch.Tensor): real tokens of each prompt ``[b]``; the rest is padding.
-        logprobs (Optional[torch.Tensor]): policy logprobs from the generator ``[b, T]``; when
-            None they are computed with ``policy_model`` (step 2).
-        policy_model (Optional[nn.Module]): the policy, used only when ``logprobs`` is None.
-        ref_policy_model (nn.Module): frozen reference policy.
-        value_model (nn.Module): value model returning ``[b, S, 1]``.
-        reward_fn (Optional[RewardFn]): the reward source in the graph, e.g.
-            :class:`~torchtune_ppo.rewards.model.ModelReward`;
-            None when ``scores`` come from outside (a function reward, run eagerly before).
-        stop_token_ids (torch.Tensor): ``[n_stop]``.
-        settings (ScoringSettings): ``P``, the pad id, the temperature and the penalties.
-        scores (Optional[torch.Tensor]): ``[b]`` scores of the truncated responses, used when
-            ``reward_fn`` is None; the penalties still apply.
-
-    Returns:
-        Trajectory: the scored batch.
+    """Steps 2-6 on padded ``[b, P + T]`` rows: the arguments and result of
+    :func:`~torchtune_ppo.rollout.scoring.packed_score_trajectory`, with no packing plan and
+    ``reward_fn`` in place of its reward model: a :data:`RewardFn` in the graph, e.g.
+    :class:`~torchtune_ppo.rewards.model.ModelReward`, or None when ``scores`` are given.
+    ``value_model`` returns ``[b, S, 1]``.
     """
     prompt_len, temperature = settings.prompt_len, settings.temperature
     query_responses, response_padding_masks, masks, position_ids = truncated(
