@@ -3,6 +3,7 @@ the policy's documented accuracy, the value model's start from the policy, and i
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,10 @@ import torchtune_ppo.tasks.tiny_arithmetic as task
 from torchtune_ppo import asset_path
 from torchtune_ppo.data.datasets import collate_references, prompt_dataset
 from torchtune_ppo.rewards import ExactMatch, FunctionReward
-from torchtune_ppo.tasks.tiny_arithmetic import build
+
+# The asset builder is a build tool in the repository, not part of the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "tasks"))
+import build_tiny_arithmetic as build  # noqa: E402
 
 ASSETS = Path(asset_path("tiny_arithmetic"))
 MANIFEST = json.loads((ASSETS / "MANIFEST.json").read_text())
@@ -43,7 +47,7 @@ def policy(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def splits():
-    return build._load_splits(ASSETS)
+    return build.load_splits(ASSETS)
 
 
 def test_files_match_manifest():
@@ -186,7 +190,6 @@ def test_config_builds_the_task(tokenizer, splits):
 def test_runtime_package_does_not_import_the_build_tools():
     """Configs import the task package; problem generation, training and export stay out of it."""
     import subprocess
-    import sys
 
     code = ("import json, sys, torchtune_ppo.tasks.tiny_arithmetic; "
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('torchtune_ppo'))))")

@@ -3,6 +3,7 @@ its runtime builders, and the ppo_asset names that point at it."""
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,10 @@ from torchtune.training import MODEL_KEY, FullModelHFCheckpointer
 
 import torchtune_ppo.tasks.tiny_sentiment as task
 from torchtune_ppo import asset_path
-from torchtune_ppo.tasks.tiny_sentiment import build
+
+# The asset builder is a build tool in the repository, not part of the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "tasks"))
+import build_tiny_sentiment as build  # noqa: E402
 
 ASSETS = Path(asset_path("tiny_sentiment"))
 MANIFEST = json.loads((ASSETS / "MANIFEST.json").read_text())
@@ -200,9 +204,24 @@ def test_asset_names_resolve_to_the_task_folder():
 def test_runtime_package_does_not_import_the_build_tools():
     """Configs import the task package; corpus, training and export code stay out of it."""
     import subprocess
-    import sys
 
     code = ("import json, sys, torchtune_ppo.tasks.tiny_sentiment; "
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('torchtune_ppo'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == ["torchtune_ppo", "torchtune_ppo.tasks", "torchtune_ppo.tasks.tiny_sentiment"]
+
+
+def test_build_tools_are_not_shipped():
+    """The asset builders live in tools/tasks/; the installed package holds builders and assets."""
+    from setuptools import find_packages
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parents[1]
+    assert not list((root / "torchtune_ppo" / "tasks").glob("*/build.py"))
+    setuptools_cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = setuptools_cfg["packages"]
+    if isinstance(packages, dict):  # [tool.setuptools.packages.find]
+        packages = find_packages(where=str(root / packages["find"]["where"][0]), include=packages["find"]["include"])
+    assert "torchtune_ppo.tasks.tiny_sentiment" in packages
+    assert all(p == "torchtune_ppo" or p.startswith("torchtune_ppo.") for p in packages), packages
+    assert not [d for d in setuptools_cfg.get("package-dir", {}).values() if d.startswith("tools")]

@@ -8,7 +8,7 @@ A task folder ``tasks/<name>/`` holds:
 - ``assets/``: the shipped files (tokenizer, Hugging Face checkpoint folders, prompts,
   ``README.md`` and ``MANIFEST.json`` with the sha256 of every file). Configs name them
   as ``${ppo_asset:<name>/<file>}``.
-- ``build.py``: how the assets were made (data, tokenizer training, pretraining, export)
-  and a sanity check, run as ``python -m torchtune_ppo.tasks.<name>.build build|check``.
-  The recipe never imports it.
+
+How the assets were made (data, tokenizer training, pretraining, export) and their check
+are build tools, not shipped: ``tools/tasks/build_<name>.py build|check`` in the repository.
 """

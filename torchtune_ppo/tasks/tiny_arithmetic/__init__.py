@@ -3,7 +3,8 @@
 A policy pretrained on problems such as ``12+7=19`` and ``5-12=-7`` answers about a third
 of unseen problems correctly; the reward is exact match with the reference answer (a
 function of the text, no reward model); PPO should raise the share of correct answers.
-See ``assets/README.md``; ``build.py`` rebuilds the assets.
+See ``assets/README.md``; ``tools/tasks/build_tiny_arithmetic.py`` (in the repository)
+rebuilds the assets.
 
 Config builders: ``torchtune_ppo.tasks.tiny_arithmetic.tiny_policy``,
 ``torchtune_ppo.tasks.tiny_arithmetic.tiny_value``,
@@ -29,7 +30,7 @@ ROPE_BASE = 10000.0  # llama2_classifier has no rope_base argument and uses this
 NORM_EPS = 1e-5
 
 # The one place the committed dims live: the builders below build from these and
-# build.py writes config.json from them.
+# tools/tasks/build_tiny_arithmetic.py writes config.json from them.
 POLICY_DIMS = dict(
     vocab_size=VOCAB_SIZE,
     num_layers=4,

@@ -2,8 +2,8 @@
 
 A policy pretrained on short synthetic reviews continues a sentiment-neutral opening
 ("honestly the acting was"); a reward model scores the sentiment; PPO should teach the
-policy to write positive reviews. See ``assets/README.md``; ``build.py`` rebuilds the
-assets.
+policy to write positive reviews. See ``assets/README.md``;
+``tools/tasks/build_tiny_sentiment.py`` (in the repository) rebuilds the assets.
 
 Config builders: ``torchtune_ppo.tasks.tiny_sentiment.tiny_policy``,
 ``torchtune_ppo.tasks.tiny_sentiment.tiny_reward``,
@@ -29,7 +29,7 @@ ROPE_BASE = 10000.0  # llama2_classifier has no rope_base argument and uses this
 NORM_EPS = 1e-5
 
 # The one place the committed dims live: the builders below build from these and
-# build.py writes config.json from them.
+# tools/tasks/build_tiny_sentiment.py writes config.json from them.
 POLICY_DIMS = dict(
     vocab_size=VOCAB_SIZE,
     num_layers=4,
