@@ -326,3 +326,115 @@ def test_only_hf_checkpointers_and_positive_keep_last_n(run):
     with pytest.raises(FileNotFoundError, match="nope.safetensors"):
         ckpt.CheckpointManager(out, missing, value)
     assert not out.exists()  # validation writes nothing
+
+
+# ----------------------------------------------------------------------------- integrity
+
+
+def _overwrite(path, offset=4096, size=4096):
+    """Damage ``size`` bytes of a file in place: same size, different bytes."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(size)
+        f.seek(offset)
+        f.write(bytes((b + 1) % 256 for b in old))
+
+
+@pytest.mark.parametrize("damaged", ["policy/model-00001-of-00001.safetensors", "training_state.pt"])
+def test_damaged_file_of_the_same_size_is_named_and_skipped(run, state_dicts, caplog, damaged):
+    out, policy, value = run
+    psd, vsd = state_dicts
+    manager = ckpt.CheckpointManager(out, policy, value)
+    state = {"step": 0, "optimizer": {"m": torch.randn(4096)}}
+    for step in (1, 2):
+        manager.save(step, psd, vsd, state)
+    root = out / "checkpoints"
+    marker = json.loads((root / "step_2" / ckpt.MARKER_FNAME).read_text())
+    assert set(marker["sha256"]) == set(marker["files"])
+    assert marker["sha256"][damaged] == ckpt.sha256_of(root / "step_2" / damaged)
+    size = (root / "step_2" / damaged).stat().st_size
+    _overwrite(root / "step_2" / damaged)
+    assert (root / "step_2" / damaged).stat().st_size == size
+
+    assert ckpt.latest_checkpoint(out) == root / "step_2"  # sizes only: cheap discovery
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.checkpoint_to_resume(out, True) == str(root / "step_1")
+    assert f"Skipping damaged checkpoint {root / 'step_2'}: {damaged} is damaged: its sha256 differs" in caplog.text
+
+
+def test_training_state_never_loads_code_and_the_error_does_not_advise_it(tmp_path):
+    folder = tmp_path / "step_1"
+    folder.mkdir()
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    torch.save({"x": Evil()}, folder / ckpt.TRAINING_STATE_FNAME)
+    (folder / "policy").mkdir()
+    (folder / ckpt.MARKER_FNAME).write_text(json.dumps(
+        {"step": 1, "files": {}, "checkpoint_files": {"policy": ["a"], "value": ["b"]}}))
+    with pytest.raises(ckpt.DamagedCheckpointError) as err:
+        ckpt.load_training_state(folder)
+    message = str(err.value)
+    assert str(folder / ckpt.TRAINING_STATE_FNAME) in message and "not plain data" in message
+    assert "weights_only" not in message
+
+
+def test_loaded_weights_are_checked_finite(state_dicts):
+    psd, _ = state_dicts
+    bad = {k: v.clone() for k, v in psd.items()}
+    bad["norm.scale"][0] = float("inf")
+    ckpt.check_loaded_finite(psd, "checkpointer")
+    with pytest.raises(ckpt.NonFiniteWeightsError, match="checkpointer: the loaded weights hold NaN/Inf: norm.scale"):
+        ckpt.check_loaded_finite(bad, "checkpointer")
+
+
+# ----------------------------------------------------------------------------- I/O errors
+
+
+def test_full_disk_names_the_path_and_the_os_error_and_keeps_earlier_checkpoints(run, state_dicts, monkeypatch):
+    out, policy, value = run
+    psd, vsd = state_dicts
+    manager = ckpt.CheckpointManager(out, policy, value)
+    manager.save(1, psd, vsd, {"step": 1})
+    monkeypatch.setenv("TORCHTUNE_PPO_FULL_DISK_DURING_SAVE", "1")
+    with pytest.raises(ckpt.CheckpointWriteError) as err:
+        manager.save(2, psd, vsd, {"step": 2})
+    message = str(err.value)
+    assert "No space left on device (errno 28: ENOSPC)" in message
+    assert str(out / "checkpoints" / "step_2") in message and "training_state.pt" in message
+    assert "earlier checkpoints are kept (step_1)" in message
+    assert _step_dirs(out) == ["step_1"]  # the partial folder is gone
+    monkeypatch.delenv("TORCHTUNE_PPO_FULL_DISK_DURING_SAVE")
+    assert ckpt.latest_checkpoint(out, verify=True) == out / "checkpoints" / "step_1"
+
+
+def test_a_full_disk_reported_without_errno_is_still_named(run, state_dicts, monkeypatch):
+    # What torch.save(obj, path) says on a full disk; the free space tells what happened.
+    out, policy, value = run
+    psd, vsd = state_dicts
+
+    def torch_save(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(ckpt.torch, "save", torch_save)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: shutil_usage(0))
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"No space left on device \(RuntimeError: \[enforce"):
+        ckpt.CheckpointManager(out, policy, value).save(1, psd, vsd, {"step": 1})
+    assert _step_dirs(out) == []
+
+
+def shutil_usage(free):
+    import collections
+
+    return collections.namedtuple("usage", "total used free")(1 << 30, (1 << 30) - free, free)
+
+
+def test_unwritable_output_dir_is_named_with_the_os_error(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ckpt.CheckpointWriteError) as err:
+        ckpt.check_writable(tmp_path / "a_file" / "run")
+    assert f"output_dir '{tmp_path / 'a_file' / 'run'}' is not writable: Not a directory" in str(err.value)
+    ckpt.check_writable(tmp_path / "new" / "run")
+    assert list((tmp_path / "new" / "run").iterdir()) == []

@@ -18,7 +18,7 @@ import torchtune_ppo.tasks.tiny_sentiment as task
 from torchtune_ppo import asset_path
 
 # The asset builder is a build tool in the repository, not part of the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "tasks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "tasks"))
 import build_tiny_sentiment as build  # noqa: E402
 
 ASSETS = Path(asset_path("tiny_sentiment"))
@@ -216,7 +216,7 @@ def test_build_tools_are_not_shipped():
     from setuptools import find_packages
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     assert not list((root / "torchtune_ppo" / "tasks").glob("*/build.py"))
     setuptools_cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     packages = setuptools_cfg["packages"]

@@ -14,7 +14,7 @@ from torchtune.config._utils import _get_component_from_path
 
 import torchtune_ppo.rewards
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "recipes" / "configs").rglob("*.yaml"))
 # `_component_: a.b.c` in YAML, in flow mappings ({_component_: a.b.c, ...}) and in comments.
 _COMPONENT = re.compile(r"_component_\s*:\s*['\"]?([A-Za-z_][\w.]*)")

@@ -19,12 +19,12 @@ from torchtune_ppo.data.datasets import collate_references, prompt_dataset
 from torchtune_ppo.rewards import ExactMatch, FunctionReward
 
 # The asset builder is a build tool in the repository, not part of the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "tasks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "tasks"))
 import build_tiny_arithmetic as build  # noqa: E402
 
 ASSETS = Path(asset_path("tiny_arithmetic"))
 MANIFEST = json.loads((ASSETS / "MANIFEST.json").read_text())
-CONFIG = Path(__file__).parents[1] / "recipes" / "configs" / "tiny" / "ppo_tiny_arithmetic.yaml"
+CONFIG = Path(__file__).parents[2] / "recipes" / "configs" / "tiny" / "ppo_tiny_arithmetic.yaml"
 # Documented in assets/README.md: held-out greedy accuracy of the shipped policy.
 GREEDY_RANGE = (0.25, 0.40)
 
