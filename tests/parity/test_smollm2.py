@@ -404,6 +404,11 @@ def test_prompt_dataset_renders_chat_prompts_as_transformers_does(tokenizer, hf_
             assert ds[i]["reference"] == row["answer"]
     with pytest.raises(ValueError, match="system_prompt is used only with chat=True"):
         prompt_dataset(tokenizer, "json", data_files=str(data), system_prompt="x")
+    # a reply opened by a prefix: the assistant header, then the prefix's own tokens
+    ds = prompt_dataset(tokenizer, "json", data_files=str(data), chat=True, response_prefix="The answer is")
+    chat = [{"role": "user", "content": rows[0]["prompt"]}]
+    header = _ids(hf_tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True))
+    assert ds[0]["tokens"] == header + _ids(hf_tokenizer("The answer is", add_special_tokens=False))
 
 
 def test_the_smollm2_config_runs_two_steps_through_tune_run(folder, tmp_path):

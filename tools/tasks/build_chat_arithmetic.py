@@ -3,9 +3,10 @@
     python tools/tasks/build_chat_arithmetic.py build [--out DIR]   # writes problems.json, MANIFEST.json
     python tools/tasks/build_chat_arithmetic.py check               # rebuilds in a temp folder, compares
 
-Word-free arithmetic questions for an instruct model in chat form ("What is 47 + 38?"), each
-with its answer: sums and differences of two numbers below 100, shuffled with a fixed seed and
-split into a training set for PPO and a held-out set that no run trains on. The data are
+Arithmetic questions for an instruct model in chat form ("What is 17 - 8?"), each with its
+answer: sums and differences of a number below 50 and a digit (SmolLM2-135M-Instruct answers
+about 4 in 10 of these correctly at the start, 2-digit by 2-digit ones almost never), shuffled
+with a fixed seed and split into a training set for PPO and a held-out set that no run trains on. The data are
 plain Python (``random.Random(seed)``), so a rebuild is byte-identical on any machine.
 """
 
@@ -18,13 +19,13 @@ import tempfile
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[2] / "torchtune_ppo" / "tasks" / "chat_arithmetic" / "assets"
-SEED, N_TRAIN, N_HELDOUT = 0, 2000, 200
+SEED, N_TRAIN, N_HELDOUT = 0, 800, 200
 
 
 def problems(seed: int = SEED):
-    """Every ``a + b`` and ``a - b`` with 10 <= a, b < 100, shuffled: ``[{"prompt", "answer"}]``."""
+    """Every ``a + b`` and ``a - b`` with 0 <= a < 50, 0 <= b < 10, shuffled: ``[{"prompt", "answer"}]``."""
     rows = [{"prompt": f"What is {a} {op} {b}?", "answer": str(a + b if op == "+" else a - b)}
-            for a in range(10, 100) for b in range(10, 100) for op in "+-"]
+            for a in range(50) for b in range(10) for op in "+-"]
     random.Random(seed).shuffle(rows)
     return rows
 

@@ -32,12 +32,16 @@ class PromptDataset(Dataset):
         filter_fn: Optional[Callable] = None,
         chat: bool = False,
         system_prompt: Optional[str] = None,
+        response_prefix: Optional[str] = None,
         **load_dataset_kwargs: Any,
     ) -> None:
-        if system_prompt is not None and not chat:
-            raise ValueError("prompt_dataset: system_prompt is used only with chat=True; set chat=True "
-                             "or remove system_prompt.")
+        for key, value in (("system_prompt", system_prompt), ("response_prefix", response_prefix)):
+            if value is not None and not chat:
+                raise ValueError(f"prompt_dataset: {key} is used only with chat=True; set chat=True "
+                                 f"or remove {key}.")
         self._tokenizer, self._chat, self._system_prompt = tokenizer, chat, system_prompt
+        # The start of the assistant's reply, after its header: the response continues it.
+        self._prefix = [] if not response_prefix else tokenizer.encode(response_prefix, add_bos=False, add_eos=False)
         self._data = load_dataset(source, **load_dataset_kwargs)
         if filter_fn is not None:
             self._data = self._data.filter(filter_fn)
@@ -59,7 +63,7 @@ class PromptDataset(Dataset):
         # keeps the end of an over-long prompt (the part next to the response), or raises.
         if self._chat:  # a user turn, then the assistant header: what instruct models expect
             tokens = render_chat_prompt(self._tokenizer, [{"role": "user", "content": sample[self._column]}],
-                                        system=self._system_prompt)
+                                        system=self._system_prompt) + self._prefix
         else:
             tokens = self._tokenizer.encode(sample[self._column], add_bos=self._add_bos, add_eos=False)
         reference = None if self._reference_column is None else sample[self._reference_column]
@@ -77,6 +81,7 @@ def prompt_dataset(
     filter_fn: Optional[Callable] = None,
     chat: bool = False,
     system_prompt: Optional[str] = None,
+    response_prefix: Optional[str] = None,
     **load_dataset_kwargs: Any,
 ) -> PromptDataset:
     """Prompts to complete, each with its reference answer, from any ``datasets`` source.
@@ -106,6 +111,8 @@ def prompt_dataset(
             the format instruct models were trained on. Default: False
         system_prompt (Optional[str]): a system turn before it (chat only); None: the
             template's own default, if it has one. Default: None
+        response_prefix (Optional[str]): text that opens the assistant's reply (chat only),
+            e.g. ``"The answer is"``: the response continues it. Default: None
         **load_dataset_kwargs (Any): passed to ``load_dataset`` (``data_files``, ``field``, ...).
 
     Returns:
@@ -118,7 +125,7 @@ def prompt_dataset(
     """
     return PromptDataset(tokenizer, source, column=column, reference_column=reference_column,
                          add_bos=add_bos, filter_fn=filter_fn, chat=chat, system_prompt=system_prompt,
-                         split=split, **load_dataset_kwargs)
+                         response_prefix=response_prefix, split=split, **load_dataset_kwargs)
 
 
 def collate_references(batch: Sequence[Mapping[str, Any]]) -> List[Optional[str]]:
