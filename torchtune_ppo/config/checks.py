@@ -17,6 +17,7 @@ would be valid.
 
 import importlib
 import inspect
+import math
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -221,6 +222,8 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     _check_optimizer_in_bwd(cfg)
     _check_batch_sizes(cfg)
     _check_min_response_length(cfg)
+    _check_no_eos_penalty(cfg)
+    _check_optimizer_lr(cfg)
     _check_reward(cfg)
     if check_machine:
         check_device(cfg.device)
@@ -275,6 +278,32 @@ def _check_min_response_length(cfg: DictConfig) -> None:
         )
 
 
+def _check_no_eos_penalty(cfg: DictConfig) -> None:
+    # With one generated token, a row escapes the penalty only by stopping at once (an empty
+    # response): in effect every response would score reward_penalty.
+    if cfg.penalise_no_eos and cfg.max_generated_tokens < 2:
+        raise ValueError(
+            f"max_generated_tokens={cfg.max_generated_tokens} with penalise_no_eos=True: a "
+            "response with text cannot reach a stop token, so every one would score "
+            f"reward_penalty ({cfg.reward_penalty}). Raise max_generated_tokens, or set "
+            "penalise_no_eos=False."
+        )
+
+
+def _check_optimizer_lr(cfg: DictConfig) -> None:
+    lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, Mapping) else None
+    if lr is None:
+        return
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value > 0) or isinstance(lr, bool):
+        raise ValueError(
+            f"optimizer.lr must be a finite number > 0, got {lr!r}; e.g. optimizer.lr=1e-5."
+        )
+
+
 def _check_reward(cfg: DictConfig) -> None:
     """Exactly one reward source: ``reward_checkpointer`` (a model) or ``reward`` (a function)."""
     if cfg.reward is None and cfg.reward_checkpointer is None:
@@ -289,7 +318,7 @@ def _check_reward(cfg: DictConfig) -> None:
             "keep one. With a function reward, reward_and_value_model builds the value model only."
         )
     if cfg.reward is not None:
-        _import_component(cfg.reward._component_, "reward._component_")
+        import_component(cfg.reward._component_, "reward._component_")
         if parse_compile(cfg.compile).rollout:
             raise ValueError(
                 "compile.rollout traces the reward model into one region with generation; a "
@@ -333,12 +362,23 @@ def _check_models(cfg: DictConfig) -> None:
 
 
 def cpu_threads(setting: Any) -> int:
-    """The thread count ``cpu_threads`` means on this machine (see its key in ``SCHEMA``)."""
+    """The thread count ``cpu_threads`` means on this machine (see its key in ``SCHEMA``).
+
+    A number above the cores this process may run on is capped to them with a warning: more
+    OpenMP threads than cores spin-wait for each other and run several times slower.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if setting != "auto":
+        if int(setting) > cores:
+            from torchtune import utils
+
+            utils.get_logger("INFO").warning(
+                f"cpu_threads={int(setting)} is more than the {cores} cores this process may run "
+                f"on; using {cores} (more threads than cores wait for each other).")
+            return cores
         return int(setting)
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return int(os.environ["OMP_NUM_THREADS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores - 1)
 
 
@@ -454,7 +494,7 @@ def _loss_with_defaults(loss: Any) -> Any:
 
 def _signature_defaults(path: Any, key: str) -> Optional[Dict[str, Any]]:
     """Arguments of a ``_component_`` and their defaults; None if it takes ``**kwargs``."""
-    component = _import_component(path, key)
+    component = import_component(path, key)
     try:
         params = inspect.signature(component).parameters
     except (TypeError, ValueError):  # a builtin without a signature: nothing to check
@@ -468,7 +508,7 @@ def _signature_defaults(path: Any, key: str) -> Optional[Dict[str, Any]]:
     }
 
 
-def _import_component(path: Any, key: str) -> Any:
+def import_component(path: Any, key: str) -> Any:
     if not isinstance(path, str) or "." not in path:
         raise ValueError(f"{key} must be a dotted import path, got {_show(path)}.")
     module, _, name = path.rpartition(".")
@@ -540,3 +580,41 @@ def validate_with_tokenizer(cfg: DictConfig, tokenizer: Any) -> None:
             f"token must differ from it. Use another stop token{hint}, or a tokenizer whose "
             "pad_id is not a stop token."
         )
+
+
+def _unknown_token_id(tokenizer: Any) -> Optional[int]:
+    """The id a tokenizer gives characters it does not know, or None when it has none (byte
+    fallback) or does not say."""
+    unk = getattr(tokenizer, "unk_id", None)
+    if unk is None:
+        spm = getattr(getattr(tokenizer, "_spm_model", None), "spm_model", None)  # torchtune SentencePiece
+        unk = spm.unk_id() if spm is not None else None
+    return unk if _is_int(unk) and unk >= 0 else None
+
+
+def warn_unknown_tokens(dataset: Any, tokenizer: Any) -> int:
+    """Warns once, with a count and an example, when prompts hold the tokenizer's unknown-token
+    id (characters it cannot encode); returns how many such tokens there are.
+
+    Call after :func:`validate_dataset`. ``<unk>`` is often id 0, the pad id too (Llama-2
+    tokenizers): the prompt silently loses those characters.
+    """
+    unk = _unknown_token_id(tokenizer)
+    if unk is None:
+        return 0
+    count, rows, example = 0, 0, None
+    for i in range(len(dataset)):
+        n = sum(1 for t in dataset[i]["tokens"] if t == unk)
+        count, rows = count + n, rows + (n > 0)
+        if n and example is None:
+            example = i
+    if count:
+        from torchtune import utils
+
+        pad = ", also the pad id" if getattr(tokenizer, "pad_id", None) == unk else ""
+        text = tokenizer.decode(list(dataset[example]["tokens"]))
+        utils.get_logger("INFO").warning(
+            f"dataset: {count} token(s) in {rows} of {len(dataset)} prompts are the tokenizer's "
+            f"unknown token (id {unk}{pad}): characters it cannot encode. E.g. prompt #{example}: "
+            f"{text!r}. Clean the data or use a tokenizer that covers these characters.")
+    return count

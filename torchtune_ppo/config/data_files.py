@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from omegaconf import DictConfig, ListConfig
 from torchtune import config as tt_config
 
-from torchtune_ppo.config.checks import _import_component
+from torchtune_ppo.config.checks import import_component
 
 # How many over-long prompts an error lists by index; the count covers all of them.
 _LISTED_PROMPTS = 5
@@ -203,7 +203,7 @@ def _check_columns(cfg_dataset: DictConfig, dataset: Any) -> None:
         wanted["dataset.column"] = cfg_dataset.column
     elif "_component_" in cfg_dataset:
         # Left out, `column` takes the builder's default ("text" for text_completion_dataset).
-        builder = _import_component(cfg_dataset._component_, "dataset._component_")
+        builder = import_component(cfg_dataset._component_, "dataset._component_")
         try:
             param = inspect.signature(builder).parameters.get("column")
         except (TypeError, ValueError):  # a builtin without a signature: nothing to read
