@@ -39,6 +39,7 @@ from torchtune_ppo.config import (
     validate_dataset,
     validate_with_tokenizer,
 )
+from torchtune_ppo.config.checks import warn_unknown_tokens
 from torchtune_ppo.data import prompt_loader
 from torchtune_ppo.ppo.advantages import estimate_advantages
 from torchtune_ppo.ppo.update import LossSettings, PPOUpdate, nonfinite_score_rows, num_updates
@@ -46,8 +47,8 @@ from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rollout import Rollout, ScoringSettings
 from torchtune_ppo.rollout.generation import Generator
-from torchtune_ppo.run.guards import SkippedSteps
-from torchtune_ppo.run.interrupt import stop_on_signals
+from torchtune_ppo.run.guards import SkippedSteps, StepInProgress, on_step_failure
+from torchtune_ppo.run.interrupt import resume_command, stop_on_signals
 from torchtune_ppo.run.memory import check_plan
 from torchtune_ppo.run.metrics import NullMetricLogger, PhaseTimer, step_metrics
 from torchtune_ppo.run.optim import InBackwardOptimizer, build_optimizer
@@ -96,6 +97,9 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     def setup(self, cfg: DictConfig) -> None:
         # First, before anything is written to output_dir: a fresh run must not overwrite one.
         resume_from = checkpointing.checkpoint_to_resume(self._output_dir, cfg.resume_from_checkpoint)
+        if resume_from:  # before any weights load: the keys the saved state depends on must match
+            checkpointing.check_resume_config(resume_from, cfg)
+        checkpointing.check_writable(self._output_dir)
         if not self._is_rank_zero:
             self._metric_logger = NullMetricLogger()
         elif cfg.metric_logger is None:
@@ -117,7 +121,9 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         manager = checkpointing.CheckpointManager(self._output_dir, cfg.checkpointer, cfg.value_checkpointer,
                                                   keep_last_n=cfg.keep_last_n_checkpoints)
         self._checkpoints = checkpointing.CheckpointClient(
-            manager, models, self._update.optimizer, self._update.lr_scheduler, self._skipped, [self._rng])
+            manager, models, self._update.optimizer, self._update.lr_scheduler, self._skipped, [self._rng],
+            run_config=checkpointing.config_to_save(cfg))
+        self._step = StepInProgress(self._checkpoints.capture_rng)
         self._profiler = (training.setup_torch_profiler(enabled=False)[0] if cfg.profiler is None
                           else config.instantiate(cfg.profiler)[0])
         if resume_from:
@@ -125,6 +131,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             self.steps_run, self.epochs_run = state["steps_run"], state["epochs_run"]
             self._batches_run_in_epoch, self._pending_rng_state = state["batches_run_in_epoch"], state["rng"]
             self._last_saved_step = self.steps_run
+            # After the restored state, which holds the saved optimizer settings: the config's win.
+            checkpointing.apply_optimizer_overrides(self._update.optimizer, cfg.optimizer, self._update.lr_scheduler)
 
     def _setup_models(self, cfg: DictConfig, resume_from: Optional[str]) -> Optional[torch.nn.Module]:
         """Policy, reference, value model (from ``resume_from`` when resuming); returns the
@@ -147,6 +155,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model)
         checkpointing.check_shapes(model, state_dict, checkpointer_key)
+        checkpointing.check_loaded_finite(state_dict, checkpointer_key)
         model.load_state_dict(state_dict)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
         # Dropout would make the trajectory's logprobs disagree with the loss step's.
@@ -204,13 +213,14 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
             prompt_len=self._prompt_len, response_len=cfg.max_generated_tokens,
             temperature=float(cfg.temperature),
-            loss=LossSettings(float(loss.epsilon), float(loss.value_clip_range), float(loss.value_coeff)),
+            loss=LossSettings.from_config(loss),
             clip_grad_norm=cfg.clip_grad_norm, optimizer_in_bwd=cfg.optimizer_in_bwd,
         )
 
     def _setup_data(self, cfg: DictConfig):
         dataset = instantiate_dataset(cfg.dataset, self._tokenizer)
         num_long = validate_dataset(dataset, cfg)
+        warn_unknown_tokens(dataset, self._tokenizer)
         if self._prompt_len is None:  # max_prompt_len: null
             self._prompt_len = max(len(dataset[i]["tokens"]) for i in range(len(dataset)))
             check_sequence_length(cfg, self._prompt_len)
@@ -233,6 +243,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         A batch with a non-finite score gets no update at all.
         """
         timer, step = PhaseTimer(self._device), self.steps_run + 1
+        self._step.begin()  # what a failure of this step may still save
         with timer("step"):
             # step 1-6: generate the responses and score them
             trajectory = self._rollout(prompts, prompt_lens, self._rng, timer, references)
@@ -246,6 +257,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                                           lmbda=self._lmbda, whiten_rewards=self._whiten_rewards)
             # step 8: the PPO update, skipped for a batch with a non-finite score
             if not bad_rows:
+                self._step.update_begins()
                 result = self._update(trajectory, adv.advantages, adv.returns, timer, step)
         if self._is_rank_zero and self._log_samples_every_n_steps and step % self._log_samples_every_n_steps == 0:
             rows = sample_rows(trajectory, prompt_lens, self._tokenizer, self._prompt_len, n=4)
@@ -269,24 +281,33 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     def train(self, on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> None:
         """Runs PPO steps until ``num_steps``; ``on_step(step, metrics)`` is called after each.
 
-        SIGINT or SIGTERM finishes the current step, saves a checkpoint and exits.
+        SIGINT or SIGTERM finishes the current step, saves a checkpoint and exits. An exception
+        saves the state after the last completed step when it can (see ``StepInProgress``).
         """
         pbar = tqdm(total=self._num_steps, initial=self.steps_run, desc="PPO", dynamic_ncols=True,
                     disable=not self._is_rank_zero)
         self._profiler.start()
-        with stop_on_signals() as stop:
-            while self.steps_run < self._num_steps and not stop:
-                self._run_epoch(on_step, pbar, stop)
+        resume = resume_command(sys.argv, self._output_dir)
+        try:
+            with stop_on_signals() as stop:
+                while self.steps_run < self._num_steps and not stop:
+                    self._run_epoch(on_step, pbar, stop)
+            if self._last_saved_step != self.steps_run:
+                self.save_checkpoint(self.steps_run)
+        except Exception as e:
+            on_step_failure(e, self._step, steps_run=self.steps_run, saved_step=self._last_saved_step,
+                            save=self._save_after_failure, world_size=distributed.world_size(),
+                            resume=resume, log=log, rank_zero=self._is_rank_zero)
+            if isinstance(e, checkpointing.CheckpointWriteError):
+                raise SystemExit(1) from e  # said above: where, why, and how to continue
+            raise
         self._profiler.stop()
         pbar.close()
-        if self._last_saved_step != self.steps_run:
-            self.save_checkpoint(self.steps_run)
         if self._is_rank_zero:
             log.info(run_summary(self._score_history, checkpointing.existing_checkpoints(self._output_dir)))
         if stop:
             if self._is_rank_zero:
-                log.warning(f"Stopped after step {self.steps_run}. To continue: tune run "
-                            f"{' '.join(sys.argv)} output_dir={self._output_dir} resume_from_checkpoint=True")
+                log.warning(f"Stopped after step {self.steps_run}. To continue: {resume}")
             raise SystemExit(128 + stop.signum)
 
     def _run_epoch(self, on_step, pbar: tqdm, stop) -> None:
@@ -338,6 +359,14 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._checkpoints.save(step, {"steps_run": self.steps_run, "epochs_run": self.epochs_run,
                                       "batches_run_in_epoch": self._batches_run_in_epoch})
         self._last_saved_step = step
+
+    def _save_after_failure(self, rng) -> str:
+        """The state after the last completed step, with the random states from before the
+        failed step drew from them."""
+        path = self._checkpoints.save(self.steps_run, {"steps_run": self.steps_run, "epochs_run": self.epochs_run,
+                                                       "batches_run_in_epoch": self._batches_run_in_epoch}, rng=rng)
+        self._last_saved_step = self.steps_run
+        return path
 
     def cleanup(self) -> None:
         self._metric_logger.close()

@@ -76,7 +76,8 @@ def pad_micro_steps(steps: List[Any]) -> List[Any]:
         return steps
     n = torch.tensor(len(steps))
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    filler = steps[0]._replace(weights=torch.zeros_like(steps[0].weights))
+    filler = steps[0]._replace(weights=torch.zeros_like(steps[0].weights),
+                               stat_weights=torch.zeros_like(steps[0].stat_weights))
     return steps + [filler] * (int(n) - len(steps))
 
 

@@ -261,3 +261,16 @@ def test_sampled_run_with_accumulation_keeps_ranks_in_step(tmp_path):
         for key in ("loss", "policy_loss", "value_loss", "kl", "scores", "ratios"):
             assert math.isfinite(row[key]), (key, row)
         assert row["skipped_updates"] == 0
+
+
+def test_seq_mean_aggregation_two_processes_match_one(tmp_path):
+    """The seq-mean weights divide by the global minibatch's sequences (all-reduced): 2 processes
+    log what 1 does."""
+    options = ("loss.aggregation=seq-mean-token-mean", "loss.dual_clip=1.5", "loss.epsilon_high=0.28")
+    one = _run(tmp_path / "one", 1, *options)
+    two = _run(tmp_path / "two", 2, *options)
+    assert len(one) == len(two) == 3
+    _assert_rows_match(one, two)
+    for a, b in zip(one, two):
+        for key in ("clipfrac_low", "clipfrac_high", "dualclip_frac"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (key, a[key], b[key])

@@ -84,6 +84,16 @@ def test_seeded_run_logs_the_recorded_metrics(tmp_path):
             assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
 
 
+def test_loss_options_reach_the_update(tmp_path):
+    """Clip-higher, dual-clip and a seq-mean aggregation from the config: the run trains and logs
+    the clip-side fractions (the default run logs the recorded metrics above)."""
+    _, rows = run_recipe(tmp_path / "run", "num_ppo_steps=1", "compile=False", "loss.epsilon_high=0.28",
+                         "loss.dual_clip=1.5", "loss.aggregation=seq-mean-token-sum-norm")
+    (row,) = rows
+    assert math.isfinite(row["loss"]) and 0 <= row["clipfrac_low"] <= row["clipfrac"] <= 1
+    assert {"clipfrac_high", "dualclip_frac"} <= row.keys()
+
+
 def test_bad_config_fails_before_loading_models(tmp_path):
     cmd = [*TUNE, "run", "ppo_full_finetune", "--config", str(CONFIG), f"output_dir={tmp_path}", "forward_batch_size=5"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

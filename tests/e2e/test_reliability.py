@@ -343,7 +343,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, prompts, tw
         assert not (tmp / checkpointing.MARKER_FNAME).exists()
     else:  # everything written, marker included; only the rename into place is missing
         assert {p.name for p in tmp.iterdir()} == {
-            "policy", "value", checkpointing.TRAINING_STATE_FNAME, checkpointing.MARKER_FNAME}
+            "policy", "value", checkpointing.TRAINING_STATE_FNAME, "config.yaml", checkpointing.MARKER_FNAME}
     assert _files(step2) == step2_files
     assert checkpointing.latest_checkpoint(out) == step2
     assert checkpointing.load_training_state(step2)["steps_run"] == 2
@@ -451,8 +451,8 @@ def test_nonfinite_score_loss_and_gradient_skip_only_their_update(tmp_path, prom
     assert len(warnings) == 4, warnings
     assert warnings[0] == "step 2: the reward is not finite in 1 of 8 rows; the update is skipped."
     for w in warnings[1:3]:
-        assert w.startswith("step 4: non-finite loss (nan, grad norm "), w
-    assert warnings[3].startswith("step 6: non-finite gradient norm ("), warnings[3]
+        assert w.startswith("step 4: non-finite loss (loss nan, grad norm "), w
+    assert warnings[3].startswith("step 6: non-finite gradient norm (loss "), warnings[3]
     assert warnings[3].endswith("grad norm nan); this minibatch update is skipped."), warnings[3]
 
     assert _saved_steps(out) == [2, 4, 6]
@@ -703,3 +703,161 @@ def test_checkpoint_of_another_model_size_is_named(tmp_path, prompts, model_key,
     assert shape(in_checkpoint) == tuple(shipped[name].shape)
     assert shape(in_model) == tuple(model.state_dict()[name].shape)
     assert shape(in_checkpoint) != shape(in_model)
+
+
+# ----------------------------------------------------------------------------- an exception in a step
+
+
+def _train_collecting(recipe):
+    metrics = {}
+    try:
+        recipe.train(lambda step, m: metrics.__setitem__(step, m))
+    finally:
+        recipe.cleanup()
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def five_steps(tmp_path_factory, prompts):
+    """5 uninterrupted in-process steps, saved only at the end: metrics and final weights."""
+    out = tmp_path_factory.mktemp("five") / "run"
+    metrics = _train_collecting(_build(out, prompts, "num_ppo_steps=5", "save_every_n_steps=1000"))
+    return out, metrics
+
+
+def test_exception_in_the_rollout_saves_the_last_completed_step_and_resumes_exactly(
+        tmp_path, prompts, five_steps, caplog):
+    straight_out, straight_metrics = five_steps
+    out = tmp_path / "run"
+    recipe = _build(out, prompts, "num_ppo_steps=5", "save_every_n_steps=1000")
+    rollout = recipe._rollout
+
+    def reward_raises_at_step_3(*args, **kwargs):
+        trajectory = rollout(*args, **kwargs)  # the failed step has drawn its samples
+        if recipe.steps_run == 2:
+            raise ZeroDivisionError("the reward function failed")
+        return trajectory
+
+    recipe._rollout = reward_raises_at_step_3
+    metrics = {}
+    with caplog.at_level(logging.ERROR), pytest.raises(ZeroDivisionError):
+        metrics.update(_train_collecting(recipe))
+    assert _saved_steps(out) == [2]
+    (message,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert message.startswith("PPO step 3 failed (ZeroDivisionError: the reward function failed); "
+                              f"the state after step 2 is saved to {_step_dir(out, 2)}. To continue: tune run ")
+    assert message.endswith(f"output_dir={out} resume_from_checkpoint=True")
+
+    resumed = _train_collecting(_build(out, prompts, "num_ppo_steps=5", "save_every_n_steps=1000",
+                                       "resume_from_checkpoint=True"))
+    assert sorted(resumed) == [3, 4, 5]
+    for step in (3, 4, 5):
+        _assert_same_metrics(resumed[step], straight_metrics[step], step)
+    _assert_same_tensors(_weights(_step_dir(out, 5)), _weights(_step_dir(straight_out, 5)), "final weights")
+
+
+def test_exception_after_an_optimizer_step_saves_nothing_and_says_why(tmp_path, prompts, caplog):
+    out = tmp_path / "run"
+    recipe = _build(out, prompts, "num_ppo_steps=5", "save_every_n_steps=1000")
+    step_fn = recipe._update._optimizer_step
+
+    def fails_after_stepping(minibatch_stats, step):
+        applied = step_fn(minibatch_stats, step)
+        if step == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return applied
+
+    recipe._update._optimizer_step = fails_after_stepping
+    with caplog.at_level(logging.ERROR), pytest.raises(torch.OutOfMemoryError):
+        _train_collecting(recipe)
+    assert _saved_steps(out) == []
+    (message,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "PPO step 3 failed (OutOfMemoryError: CUDA out of memory (simulated)); not saved: the failure " \
+           "came during the update" in message
+    assert "the last checkpoint is of step None" in message
+
+
+def test_full_disk_at_a_save_stops_cleanly_and_keeps_the_earlier_checkpoint(tmp_path, prompts, caplog, monkeypatch):
+    out = tmp_path / "run"
+    recipe = _build(out, prompts, "num_ppo_steps=4", "save_every_n_steps=2", "keep_last_n_checkpoints=null")
+    save = checkpointing.CheckpointManager.save
+
+    def full_disk_at_step_4(self, step, *args, **kwargs):
+        if step == 4:
+            monkeypatch.setenv("TORCHTUNE_PPO_FULL_DISK_DURING_SAVE", "1")
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing.CheckpointManager, "save", full_disk_at_step_4)
+    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exit_:
+        _train_collecting(recipe)
+    assert exit_.value.code == 1
+    assert _saved_steps(out) == [2]
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    (message,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert f"Could not write checkpoint {_step_dir(out, 4)}: No space left on device" in message
+    assert "earlier checkpoints are kept (step_2)" in message and "resume_from_checkpoint=True" in message
+
+
+# ----------------------------------------------------------------------------- smaller refusals
+
+
+def _config(*overrides):
+    cfg = OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(["output_dir=/tmp/x", *overrides]))
+    return validate_config(cfg, check_machine=False)
+
+
+@pytest.mark.parametrize("lr", ["nan", "inf", "0", "-1e-5"])
+def test_optimizer_lr_must_be_finite_and_positive(lr):
+    with pytest.raises(ValueError, match=r"optimizer.lr must be a finite number > 0, got "):
+        _config(f"optimizer.lr={lr}")
+
+
+def test_one_generated_token_with_the_no_stop_penalty_refuses():
+    with pytest.raises(ValueError, match=r"max_generated_tokens=1 with penalise_no_eos=True: .* every one "
+                                         r"would score reward_penalty \(-3.0\)"):
+        _config("max_generated_tokens=1")
+    _config("max_generated_tokens=1", "penalise_no_eos=False")
+
+
+def test_cpu_threads_above_the_cores_are_capped_with_a_warning(caplog):
+    from torchtune_ppo.config import cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    with caplog.at_level(logging.WARNING):
+        assert cpu_threads(cores + 7) == cores
+    assert f"cpu_threads={cores + 7} is more than the {cores} cores" in caplog.text
+    assert cpu_threads(cores) == cores
+
+
+def test_unwritable_output_dir_says_the_path_and_the_os_error(tmp_path, prompts):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "run"
+    with pytest.raises(checkpointing.CheckpointWriteError,
+                       match=rf"output_dir '{re.escape(str(out))}' is not writable: Not a directory"):
+        _build(out, prompts, "num_ppo_steps=1")
+
+
+def test_resume_command_names_output_dir_once():
+    from torchtune_ppo.run.interrupt import resume_command
+
+    argv = ["ppo_full_finetune", "--config", "c.yaml", "output_dir=/o", "seed=1", "resume_from_checkpoint=False"]
+    assert resume_command(argv, "/o") == ("tune run ppo_full_finetune --config c.yaml seed=1 output_dir=/o "
+                                          "resume_from_checkpoint=True")
+
+
+def test_characters_the_tokenizer_does_not_know_are_warned_once(tmp_path, caplog):
+    from torchtune.models.llama2 import llama2_tokenizer
+
+    from torchtune_ppo.config.checks import warn_unknown_tokens
+
+    tokenizer = llama2_tokenizer(torchtune_ppo.asset_path("tiny_sentiment/tokenizer.model"))
+    texts = ["the movie was", "a film about 漢字", "great ☃ and ☃"]
+    dataset = [{"tokens": tokenizer.encode(t, add_bos=True, add_eos=False)} for t in texts]
+    with caplog.at_level(logging.WARNING):
+        assert warn_unknown_tokens(dataset, tokenizer) == 3  # 漢字 is one <unk>
+    (message,) = [r.getMessage() for r in caplog.records if "unknown token" in r.getMessage()]
+    assert message.startswith("dataset: 3 token(s) in 2 of 3 prompts are the tokenizer's unknown token "
+                              "(id 0, also the pad id)")
+    assert "prompt #1: 'a film about" in message
+    caplog.clear()
+    assert warn_unknown_tokens(dataset[:1], tokenizer) == 0 and not caplog.records

@@ -272,3 +272,57 @@ def test_compiled_packed_matches_padded_and_never_recompiles(compiled):
             assert compile_count() - graphs == 1  # one graph for every micro-step
             counter.mark()
     assert counter.since_mark == 0
+
+
+@pytest.mark.parametrize("aggregation", [a for a in rlhf.AGGREGATIONS if a != "token-mean"])
+def test_seq_mean_aggregations_do_not_depend_on_the_micro_batch_split(aggregation):
+    """The seq-mean losses weight by sequence over the whole minibatch: gradient_accumulation_steps
+    1, 2 and 4 give the same loss and gradients (token-mean, torchtune's, averages micro-batch
+    means and so depends on the split)."""
+    policy, value = tiny_policy(), tiny_classifier()
+    traj, advantages, returns = _trajectory(policy, value, **RAGGED)
+    lengths = packing.sequence_lengths(traj, P)
+    order = [3, 0, 6, 1, 7, 2, 5, 4]
+    results = []
+    for grad_accum in (1, 2, 4):
+        _zero_grads(policy, value)
+        steps = packing.pack_minibatch(traj, advantages, returns, _split(order, grad_accum), lengths,
+                                       prompt_len=P, rows=2, num_chunks=CHUNKS, aggregation=aggregation)
+        total = 0.0
+        for step in steps:
+            loss, _ = packed_ppo_loss_step(policy, value, *step, num_micro_batches=grad_accum, **HP)
+            loss.backward()
+            total = total + loss.detach()
+        results.append((total, _grads(policy, value)))
+    (loss_1, grads_1), *others = results
+    assert max(g.abs().max() for g in grads_1.values()) > 1e-3
+    for loss_k, grads_k in others:
+        torch.testing.assert_close(loss_k, loss_1, atol=1e-5, rtol=0)
+        for name in grads_1:
+            torch.testing.assert_close(grads_k[name], grads_1[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow  # compiles
+def test_compiled_loss_options_match_eager():
+    """Clip-higher, dual-clip and a seq-mean aggregation through the compiled step: the same
+    loss, stats and gradients as the eager one."""
+    policy, value = tiny_policy(), tiny_classifier()
+    traj, advantages, returns = _trajectory(policy, value, **RAGGED)
+    lengths = packing.sequence_lengths(traj, P)
+    micro_batches = _split([3, 0, 6, 1, 7, 2, 5, 4], 2)
+    steps = packing.pack_minibatch(traj, advantages, returns, micro_batches, lengths, prompt_len=P, rows=2,
+                                   num_chunks=CHUNKS, aggregation="seq-mean-token-mean")
+    options = dict(HP, epsilon_low=0.1, epsilon_high=0.3, dual_clip=1.2, num_micro_batches=2)
+    results = []
+    for step_fn in (packed_ppo_loss_step, maybe_compile(packed_ppo_loss_step, enabled=True)):
+        _zero_grads(policy, value)
+        step_stats, total = [], 0.0
+        for step in steps:
+            loss, s = step_fn(policy, value, *step.mark_dynamic(), **options)
+            loss.backward()
+            step_stats.append(s)
+            total = total + loss.detach()
+        results.append((total, packing.micro_batch_stats(step_stats), _grads(policy, value)))
+    _assert_same(results[1], results[0])
+    stats = results[0][1]
+    assert sum(s.dualclip_frac for s in stats) > 0 and sum(s.clipfrac_low for s in stats) > 0

@@ -74,6 +74,8 @@ def ppo_loss_step(
     approx_policy_kls = 0.5 * rlhf.masked_mean(
         (pi_logprobs.detach() - old_logprobs).pow(2), valid
     )
+    tl = rlhf.ppo_token_losses(old_logprobs, pi_logprobs.detach(), advantages, old_values, phi_values.detach(),
+                               returns, epsilon=epsilon, value_clip_range=value_clip_range)
     stats = rlhf.PPOStats(
         loss.detach() * loss_scale,
         policy_loss * loss_scale,
@@ -81,5 +83,6 @@ def ppo_loss_step(
         ratios * loss_scale,
         clipfrac * loss_scale,
         approx_policy_kls * loss_scale,
+        *(rlhf.masked_mean(x, valid) * loss_scale for x in (tl.clipped_low, tl.clipped_high, tl.dual_clipped)),
     )
     return loss * loss_scale, stats

@@ -8,13 +8,24 @@ from torchtune_ppo.checkpointing.store import (  # noqa: F401
     TRAINING_STATE_FNAME,
     CheckpointExistsError,
     CheckpointManager,
+    CheckpointWriteError,
+    DamagedCheckpointError,
     NonFiniteWeightsError,
+    check_loaded_finite,
     check_shapes,
+    check_writable,
     checkpoint_to_resume,
     checkpointer_overrides,
     existing_checkpoints,
     latest_checkpoint,
     load_training_state,
+)
+from torchtune_ppo.checkpointing.resume_config import (  # noqa: F401
+    CONFIG_FNAME,
+    ResumeConfigError,
+    apply_optimizer_overrides,
+    check_resume_config,
+    config_to_save,
 )
 from torchtune_ppo.checkpointing.training_state import (  # noqa: F401
     CheckpointClient,
@@ -24,7 +35,9 @@ from torchtune_ppo.checkpointing.training_state import (  # noqa: F401
 
 __all__ = [
     "CHECKPOINTS_DIRNAME", "MARKER_FNAME", "MODEL_NAMES", "TRAINING_STATE_FNAME",
-    "CheckpointClient", "CheckpointExistsError", "CheckpointManager", "NonFiniteWeightsError",
-    "capture_rng_state", "check_shapes", "checkpoint_to_resume", "checkpointer_overrides",
+    "CheckpointClient", "CheckpointExistsError", "CheckpointManager", "CheckpointWriteError",
+    "CONFIG_FNAME", "DamagedCheckpointError", "NonFiniteWeightsError", "ResumeConfigError",
+    "apply_optimizer_overrides", "capture_rng_state", "check_loaded_finite", "check_resume_config",
+    "check_shapes", "check_writable", "config_to_save", "checkpoint_to_resume", "checkpointer_overrides",
     "existing_checkpoints", "latest_checkpoint", "load_training_state", "restore_rng_state",
 ]

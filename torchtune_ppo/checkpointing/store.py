@@ -9,7 +9,9 @@ an ignored temporary folder::
             policy/              Hugging Face format, written by torchtune's FullModelHFCheckpointer
             value/               same, for the value model (model_type of its checkpointer, e.g. REWARD)
             training_state.pt    the dict the recipe passes: optimizer, counters, data position, RNG
-            COMPLETE             JSON marker written last: step, every file with its size, time
+            config.yaml          the run's resolved config (checked on resume: resume_config.py)
+            COMPLETE             JSON marker written last: step, every file with its size and
+                                 sha256, time; a resume verifies the checksums
         .tmp_step_<N>_<pid>/     a save in progress, or left by a crash: never read, cleaned later
 
 The weights go through torchtune's own HF writer (model_type conversions, config.json copy,
@@ -30,9 +32,12 @@ Typical use in a recipe (rank 0 saves; state dicts are full, unsharded)::
 """
 
 import datetime
+import errno
+import hashlib
 import importlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -45,6 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
 from torchtune_ppo._patches.checkpointer import set_weight_map
+from torchtune_ppo.checkpointing.resume_config import CONFIG_FNAME
 
 log = utils.get_logger("INFO")
 
@@ -64,6 +70,10 @@ _MAX_NAMES = 5  # parameter names listed in a non-finite error
 # (after_policy, after_value, after_training_state, before_rename), the process SIGKILLs itself
 # there, so tests can check that a crash mid-save never leaves a checkpoint that looks complete.
 _CRASH_ENV = "TORCHTUNE_PPO_CRASH_DURING_SAVE"
+# Test hook: when set (to anything), writing training_state.pt fails as on a full disk
+# (OSError ENOSPC), as a real full disk would.
+_FULL_DISK_ENV = "TORCHTUNE_PPO_FULL_DISK_DURING_SAVE"
+_HASH_CHUNK = 1 << 22
 
 
 class NonFiniteWeightsError(ValueError):
@@ -72,6 +82,14 @@ class NonFiniteWeightsError(ValueError):
 
 class CheckpointExistsError(FileExistsError):
     """A complete checkpoint of this step is already on disk."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (full disk, permissions, I/O error); nothing of it is left."""
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint's file does not match its COMPLETE marker, or cannot be read."""
 
 
 # ----------------------------------------------------------------------------- saving
@@ -125,6 +143,7 @@ class CheckpointManager:
         policy_state_dict: Mapping[str, torch.Tensor],
         value_state_dict: Mapping[str, torch.Tensor],
         training_state: Dict[str, Any],
+        run_config: Optional[Mapping[str, Any]] = None,
     ) -> Path:
         """Write one complete checkpoint of ``step``, then prune older ones.
 
@@ -139,6 +158,8 @@ class CheckpointManager:
             training_state (Dict[str, Any]): everything else needed to resume, saved with
                 ``torch.save`` as given (optimizer state, counters, data position, RNG states
                 from :func:`capture_rng_state`).
+            run_config (Optional[Mapping[str, Any]]): the run's resolved config, written to
+                ``config.yaml`` (checked on resume by :mod:`.resume_config`).
 
         Returns:
             Path: the completed ``<output_dir>/checkpoints/step_<step>``.
@@ -147,6 +168,8 @@ class CheckpointManager:
             CheckpointExistsError: ``step_<step>`` is already complete on disk.
             NonFiniteWeightsError: a floating tensor of either state dict holds NaN/Inf; nothing
                 is written.
+            CheckpointWriteError: a write failed (e.g. no space left on device): it names the
+                folder and the OS error; the partial folder is removed, earlier ones are kept.
         """
         step = int(step)
         final = self.root / f"step_{step}"
@@ -156,16 +179,21 @@ class CheckpointManager:
             )
         _check_finite({"policy": policy_state_dict, "value": value_state_dict})
 
-        self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{_TMP_PREFIX}step_{step}_{os.getpid()}"
-        if tmp.exists():  # left by an earlier failed save of this process (or a reused pid)
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by an earlier failed save of this process (or a reused pid)
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            raise _write_error(e, final, self.root) from e
         try:
             for name, sd in (("policy", policy_state_dict), ("value", value_state_dict)):
                 self._write_hf(name, sd, step, tmp)
                 _maybe_crash(f"after_{name}")
-            torch.save(training_state, tmp / TRAINING_STATE_FNAME)
+            _write_training_state(training_state, tmp / TRAINING_STATE_FNAME)
+            if run_config is not None:
+                (tmp / CONFIG_FNAME).write_text(OmegaConf.to_yaml(OmegaConf.create(dict(run_config))))
             _maybe_crash("after_training_state")
             _fsync_tree(tmp)
             _write_marker(tmp, step)
@@ -176,8 +204,11 @@ class CheckpointManager:
                 os.rename(final, self.root / f"{_TMP_PREFIX}incomplete_step_{step}_{os.getpid()}")
             os.rename(tmp, final)
             _fsync_dir(self.root)
-        except BaseException:
+        except BaseException as e:
+            error = _write_error(e, final, self.root) if isinstance(e, Exception) else None
             shutil.rmtree(tmp, ignore_errors=True)
+            if error is not None:
+                raise error from e
             raise
         log.info(f"Saved checkpoint {final}")
         self._clean_tmp()
@@ -314,6 +345,52 @@ def _check_finite(state_dicts: Mapping[str, Mapping[str, torch.Tensor]]) -> None
         )
 
 
+def _write_training_state(state: Dict[str, Any], path: Path) -> None:
+    # Through a Python file object: a failed write raises the OSError itself (errno, "No space
+    # left on device"), where torch.save(obj, path) says "unexpected pos ..." instead.
+    with open(path, "wb") as f:
+        if os.environ.get(_FULL_DISK_ENV):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        torch.save(state, f)
+
+
+def _write_error(error: Exception, final: Path, root: Path) -> Optional[Exception]:
+    """A :class:`CheckpointWriteError` naming the folder and the OS error, for an I/O failure
+    (also the ones torch or safetensors report without an errno); None for other errors."""
+    if isinstance(error, CheckpointWriteError):
+        return error
+    if isinstance(error, OSError) and error.errno is not None:
+        where = error.filename or final
+        reason = f"{os.strerror(error.errno)} (errno {error.errno}: {errno.errorcode.get(error.errno, '?')})"
+    elif isinstance(error, (OSError, RuntimeError)) or type(error).__name__ == "SafetensorError":
+        where, reason = final, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        try:  # torch and safetensors lose the errno of a full disk: look at the disk itself
+            if shutil.disk_usage(root if root.exists() else root.parent).free < (1 << 20):
+                reason = f"{os.strerror(errno.ENOSPC)} ({reason})"
+        except OSError:
+            pass
+    else:
+        return None
+    kept = [p.name for _, p in _complete_steps(root, warn=False)] if root.is_dir() else []
+    return CheckpointWriteError(
+        f"Could not write checkpoint {final}: {reason} at {where}. The partial folder is removed; "
+        f"earlier checkpoints are kept ({', '.join(kept) if kept else 'none'}). Free space or fix "
+        "the folder, then resume with resume_from_checkpoint=True."
+    )
+
+
+def check_loaded_finite(state_dict: Mapping[str, torch.Tensor], key: str) -> None:
+    """Raises :class:`NonFiniteWeightsError` naming the checkpointer ``key`` and the first
+    parameters holding NaN/Inf in weights just loaded."""
+    try:
+        _check_finite({key: state_dict})
+    except NonFiniteWeightsError as e:
+        raise NonFiniteWeightsError(
+            f"{key}: the loaded weights hold NaN/Inf: {str(e).split(key + ': ', 1)[1]}. The checkpoint "
+            "is damaged or was not written by this recipe (which never saves non-finite weights)."
+        ) from None
+
+
 def _maybe_crash(point: str) -> None:
     if os.environ.get(_CRASH_ENV) == point:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -349,17 +426,24 @@ def _fsync_tree(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
+def sha256_of(path: Path) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _write_marker(folder: Path, step: int) -> None:
-    """Write ``COMPLETE`` last: the step, every file with its size, the weight files per model."""
-    files = {
-        str(p.relative_to(folder)): p.stat().st_size
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
+    """Write ``COMPLETE`` last: the step, every file with its size and sha256, the weight files
+    per model."""
+    paths = [p for p in sorted(folder.rglob("*")) if p.is_file()]
     marker = {
         "step": step,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "files": files,
+        "files": {str(p.relative_to(folder)): p.stat().st_size for p in paths},
+        "sha256": {str(p.relative_to(folder)): sha256_of(p) for p in paths},
         "checkpoint_files": {
             name: sorted(p.name for p in (folder / name).iterdir() if _SHARD_RE.match(p.name))
             for name in MODEL_NAMES
@@ -381,8 +465,9 @@ def _read_marker(folder: Path) -> Dict[str, Any]:
         return json.load(f)
 
 
-def _invalid_reason(folder: Path) -> Optional[str]:
-    """``None`` if ``folder`` is a complete checkpoint, else why not."""
+def _invalid_reason(folder: Path, verify: bool = False) -> Optional[str]:
+    """``None`` if ``folder`` is a complete checkpoint, else why not; ``verify`` also checks
+    every file's sha256 against the marker (markers of older saves have none: sizes only)."""
     m = _STEP_RE.match(folder.name)
     if m is None:
         return "name is not step_<N>"
@@ -405,6 +490,11 @@ def _invalid_reason(folder: Path) -> Optional[str]:
     for name in MODEL_NAMES:
         if not marker.get("checkpoint_files", {}).get(name):
             return f"{MARKER_FNAME} lists no {name} weight files"
+    if verify:
+        for rel, digest in marker.get("sha256", {}).items():
+            if sha256_of(folder / rel) != digest:
+                return (f"{rel} is damaged: its sha256 differs from the one {MARKER_FNAME} recorded "
+                        "at save (same size, different bytes)")
     return None
 
 
@@ -425,7 +515,7 @@ def _complete_steps(root: Path, warn: bool = True) -> List[Tuple[int, Path]]:
     return sorted(out)
 
 
-def latest_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
+def latest_checkpoint(output_dir: Union[str, Path], verify: bool = False) -> Optional[Path]:
     """The newest complete checkpoint of a run.
 
     ``step_*`` folders without a valid marker are skipped with a warning naming them, and
@@ -433,6 +523,8 @@ def latest_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
 
     Args:
         output_dir (Union[str, Path]): the run's output folder.
+        verify (bool): also check the sha256 of every file, newest checkpoint first; a damaged
+            one is named (file and what is wrong) with a warning and the next older one tried.
 
     Returns:
         Optional[Path]: ``<output_dir>/checkpoints/step_<N>`` with the largest N that is
@@ -445,7 +537,14 @@ def latest_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
         if p.name.startswith(_TMP_PREFIX) and p.is_dir():
             log.warning(f"Ignoring {p}: an interrupted save; it is removed by the next save")
     complete = _complete_steps(root)
-    return complete[-1][1] if complete else None
+    if not verify:
+        return complete[-1][1] if complete else None
+    for _, path in reversed(complete):
+        reason = _invalid_reason(path, verify=True)
+        if reason is None:
+            return path
+        log.warning(f"Skipping damaged checkpoint {path}: {reason}. Trying the next older one.")
+    return None
 
 
 def existing_checkpoints(output_dir: Union[str, Path]) -> List[Path]:
@@ -483,17 +582,29 @@ def load_training_state(checkpoint: Union[str, Path], *, weights_only: bool = Tr
 
     Args:
         checkpoint (Union[str, Path]): a complete ``step_<N>`` folder.
-        weights_only (bool): passed to ``torch.load``; tensors, containers and Python scalars
-            (including ``random.getstate()``) load with the default ``True``.
+        weights_only (bool): kept for callers; the file is always loaded with
+            ``weights_only=True`` (tensors, containers and Python scalars, including
+            ``random.getstate()``): a checkpoint is data, never code.
 
     Returns:
         Dict[str, Any]: the saved dict.
 
     Raises:
         ValueError: ``checkpoint`` is not complete.
+        DamagedCheckpointError: the file cannot be unpickled as plain data.
     """
     checkpoint = _require_complete(checkpoint)
-    return torch.load(checkpoint / TRAINING_STATE_FNAME, map_location="cpu", weights_only=weights_only)
+    path = checkpoint / TRAINING_STATE_FNAME
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch's own message would advise unsafe loading
+        first = (str(e).splitlines() or [""])[0]
+        what = "not plain data" if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e) else first
+        raise DamagedCheckpointError(
+            f"{path} cannot be read ({type(e).__name__}: {what}): it is damaged, or holds objects "
+            "other than tensors, containers and numbers, so it was not written by this recipe. "
+            f"Move {checkpoint} aside to resume from the checkpoint before it."
+        ) from None
 
 
 def checkpointer_overrides(checkpoint: Union[str, Path]) -> Dict[str, Dict[str, Any]]:
@@ -524,6 +635,27 @@ def checkpointer_overrides(checkpoint: Union[str, Path]) -> Dict[str, Dict[str, 
 # ----------------------------------------------------------------------------- recipe helpers
 
 
+def check_writable(output_dir: Union[str, Path]) -> None:
+    """Creates ``output_dir`` if needed and writes (then removes) a probe file in it, so an
+    unwritable folder is reported with its path and the OS error before any logger or model
+    is made.
+
+    Raises:
+        CheckpointWriteError: naming the path and the OS error (e.g. "Permission denied").
+    """
+    path = Path(output_dir)
+    probe = path / f".write_probe_{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointWriteError(
+            f"output_dir {str(path)!r} is not writable: {e.strerror or e} ({e.filename or path}). "
+            "Choose another output_dir, or fix the folder's permissions or free its disk."
+        ) from None
+
+
 def checkpoint_to_resume(output_dir: Union[str, Path], resume: bool) -> Optional[str]:
     """The checkpoint a run starts from: None for a fresh run, the newest complete one to resume.
 
@@ -544,11 +676,12 @@ def checkpoint_to_resume(output_dir: Union[str, Path], resume: bool) -> Optional
                 "them. Resume with resume_from_checkpoint=True, or choose another output_dir."
             )
         return None
-    latest = latest_checkpoint(output_dir)
+    latest = latest_checkpoint(output_dir, verify=True)
     if latest is None:
         raise FileNotFoundError(
             f"resume_from_checkpoint=True but output_dir {str(output_dir)!r} holds no complete "
-            f"checkpoint (<output_dir>/{CHECKPOINTS_DIRNAME}/step_<N> with a {MARKER_FNAME} marker)."
+            f"checkpoint (<output_dir>/{CHECKPOINTS_DIRNAME}/step_<N> with a {MARKER_FNAME} marker "
+            "and files that match it)."
         )
     log.info(f"Resuming from {latest}")
     return str(latest)

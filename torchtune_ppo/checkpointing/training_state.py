@@ -87,17 +87,26 @@ class CheckpointClient:
         lr_scheduler (Optional[Any]): saved and restored with it.
         skipped_steps (Any): has ``state_dict`` / ``load_state_dict`` (:class:`~torchtune_ppo.run.guards.SkippedSteps`).
         generators (Sequence[torch.Generator]): the run's own random streams.
+        run_config (Optional[Mapping[str, Any]]): the run's resolved config, saved as
+            ``config.yaml`` in every checkpoint (see :mod:`.resume_config`).
     """
 
     def __init__(self, manager: CheckpointManager, models: Mapping[str, nn.Module], optimizer: Any,
-                 lr_scheduler: Optional[Any], skipped_steps: Any, generators: Sequence[torch.Generator]) -> None:
+                 lr_scheduler: Optional[Any], skipped_steps: Any, generators: Sequence[torch.Generator],
+                 run_config: Optional[Mapping[str, Any]] = None) -> None:
         self.manager, self.models = manager, dict(models)
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.skipped_steps, self.generators = skipped_steps, list(generators)
+        self.run_config = run_config
 
-    def save(self, step: int, progress: Mapping[str, int]) -> None:
+    def capture_rng(self) -> Dict[str, Any]:
+        """This rank's random states now (for :meth:`save` after a step that failed midway)."""
+        return capture_rng_state(self.generators)
+
+    def save(self, step: int, progress: Mapping[str, int], rng: Optional[Mapping[str, Any]] = None) -> str:
         """Writes ``step_<step>`` atomically: the models in HF format and the training state.
-        Every rank must call it (the weights are gathered collectively; rank 0 writes them)."""
+        Every rank must call it (the weights are gathered collectively; rank 0 writes them).
+        ``rng`` replaces the random states of now (e.g. those from before a failed step)."""
         world = distributed.world_size()
         state = {
             # On W ranks: keyed by parameter name with full tensors, so any W can resume it.
@@ -106,7 +115,7 @@ class CheckpointClient:
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             **{k: progress[k] for k in PROGRESS_KEYS},
             "skipped_steps": self.skipped_steps.state_dict(),
-            "rng": capture_rng_state(self.generators),
+            "rng": dict(rng) if rng is not None else capture_rng_state(self.generators),
         }
         if world > 1:  # resumed on the same number of ranks, each gets its own back
             state["rng_per_rank"] = distributed.all_gather_objects(state["rng"])
@@ -114,8 +123,9 @@ class CheckpointClient:
         # different samples.
         weights = {name: distributed.full_state_dict(m) for name, m in self.models.items()}
         if distributed.rank() == 0:
-            self.manager.save(step, weights["policy"], weights["value"], state)
+            self.manager.save(step, weights["policy"], weights["value"], state, self.run_config)
         distributed.barrier()
+        return str(self.manager.root / f"step_{int(step)}")
 
     def load(self, checkpoint: str) -> Dict[str, Any]:
         """Restores the optimizer, scheduler and skipped steps from ``checkpoint``; returns the
@@ -127,7 +137,7 @@ class CheckpointClient:
             self.optimizer.load_state_dict(state["optimizer"])
         else:  # saved or loaded on several ranks: a full state keyed by parameter name
             distributed.load_full_optimizer_state_dict(self.models, self.optimizer, state["optimizer"])
-        if self.lr_scheduler is not None:
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.skipped_steps.load_state_dict(state["skipped_steps"])
         rng = state["rng"]

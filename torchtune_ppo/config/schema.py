@@ -13,6 +13,9 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from torchtune_ppo.ppo.kl import KL_ESTIMATORS
+from torchtune_ppo.ppo.rlhf import AGGREGATIONS
+
 COMPILE_REGIONS = ("generate", "trajectory", "loss_step", "rollout")
 COMPILE_KEYS = (*COMPILE_REGIONS, "mode")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -249,6 +252,17 @@ LOSS = Block(
             0.2, "each new value is clipped to within this of its old value; no setting turns the "
             "clipping off (a large one hardly clips)"),
         Key("value_coeff", Number(ge=0), 0.1, "weight of the value loss"),
+        Key("epsilon_low", Number(gt=0, le=1, optional=True), None,
+            "clip-higher (DAPO): the ratio's lower clip is `1 - epsilon_low`; null: `epsilon`"),
+        Key("epsilon_high", Number(gt=0, optional=True), None,
+            "clip-higher (DAPO): the ratio's upper clip is `1 + epsilon_high`; null: `epsilon`"),
+        Key("dual_clip", Number(gt=1, optional=True), None,
+            "dual-clip PPO: where the advantage A < 0 the policy loss is at most `-dual_clip * A` "
+            "(e.g. 3.0); null: off"),
+        Key("aggregation", Choice(options=AGGREGATIONS), "token-mean",
+            "how token losses make a minibatch's loss: `token-mean` (each micro-batch's token mean, "
+            "averaged over them, as torchtune), or over the global minibatch's sequences `seq-mean-token-sum`, "
+            "`seq-mean-token-mean`, `seq-mean-token-sum-norm` (token sum / `max_generated_tokens`, Dr. GRPO)"),
     ),
     or_else=" or a `_component_: torchtune.rlhf.loss.PPOLoss` block",
 )
@@ -341,6 +355,13 @@ SCHEMA: Tuple[Key, ...] = (
         "the score of a response that `penalise_no_eos` or `min_response_length` penalises"),
     Key("kl_coeff", Number(ge=0), 0.05,
         "per-token KL penalty `-kl_coeff * (logprob - ref_logprob)`"),
+    Key("kl_estimator", Choice(options=KL_ESTIMATORS), "k1",
+        "the per-token KL in the reward, with d = logprob - ref_logprob: `k1` d, `k2` d^2 / 2, "
+        "`k3` exp(-d) + d - 1 (verl's `low_var_kl`)"),
+    Key("kl_target", Number(gt=0, optional=True), None,
+        "adaptive KL (Ziegler et al.): after each step `kl_coeff *= 1 + clip(kl / kl_target - 1, "
+        "-0.2, 0.2) * batch_size / kl_horizon`, kl the mean per-sequence KL; null: `kl_coeff` fixed"),
+    Key("kl_horizon", Number(gt=0), 10000, "the adaptive KL's horizon, in sequences"),
     Key("whiten_rewards", Bool(), False,
         "whiten the per-token rewards before GAE (torchtune's key; its default is off)"),
     Key("gamma", Number(ge=0, le=1), 1.0, "GAE discount"),

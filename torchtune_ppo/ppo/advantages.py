@@ -21,7 +21,8 @@ class Advantages(NamedTuple):
 
 @torch.no_grad()
 def estimate_advantages(
-    trajectory: Trajectory, *, kl_coeff: float, gamma: float, lmbda: float, whiten_rewards: bool
+    trajectory: Trajectory, *, kl_coeff: float, gamma: float, lmbda: float, whiten_rewards: bool,
+    kl_estimator: str = "k1",
 ) -> Advantages:
     """Rewards ``score - kl_coeff * kl`` per token (:func:`~torchtune_ppo.ppo.rlhf.get_rewards_ppo`),
     optionally whitened, then GAE (:func:`~torchtune_ppo.ppo.rlhf.estimate_advantages`).
@@ -34,6 +35,7 @@ def estimate_advantages(
         gamma (float): discount.
         lmbda (float): GAE lambda.
         whiten_rewards (bool): whiten the per-token rewards before GAE.
+        kl_estimator (str): ``k1``, ``k2`` or ``k3`` (:func:`~torchtune_ppo.ppo.kl.kl_estimate`).
 
     Returns:
         Advantages: ``[b, T]`` tensors, 0 past each row's last valid token.
@@ -41,6 +43,7 @@ def estimate_advantages(
     valid = ~trajectory.response_padding_masks
     rewards, kl, kl_rewards = rlhf.get_rewards_ppo(
         trajectory.scores, trajectory.logprobs, trajectory.ref_logprobs, kl_coeff, trajectory.seq_lens, valid,
+        kl_estimator=kl_estimator,
     )
     reduce = distributed.all_reduce_sum if distributed.world_size() > 1 else None
     if whiten_rewards:

@@ -8,7 +8,7 @@ test asset (``tests/twins/loss_step.py``). It is compiled as one region when
 AOTAutograd compiles as well. It is always called with grad enabled, in train mode.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -32,12 +32,16 @@ def packed_ppo_loss_step(
     targets: torch.Tensor,
     weights: torch.Tensor,
     micro_batch_ids: torch.Tensor,
+    stat_weights: torch.Tensor,
     *,
     temperature: float,
     epsilon: float,
     value_clip_range: float,
     value_coeff: float,
     num_micro_batches: int,
+    epsilon_low: Optional[float] = None,
+    epsilon_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
 ) -> Tuple[torch.Tensor, rlhf.PPOStats]:
     """Forward both trained models on one packed micro-step; return its weighted PPO loss and stats.
 
@@ -59,14 +63,19 @@ def packed_ppo_loss_step(
         advantages (torch.Tensor): ``[C, K]``.
         returns (torch.Tensor): ``[C, K]``.
         targets (torch.Tensor): the response tokens read ``[C, K]``.
-        weights (torch.Tensor): ``1 / (grad_accum * valid tokens of the micro-batch)``
-            ``[C, K]``, 0 at unused reads.
+        weights (torch.Tensor): each token loss's weight in the minibatch loss ``[C, K]``, 0 at
+            unused reads (``1 / (grad_accum * valid tokens of the micro-batch)`` for token-mean).
         micro_batch_ids (torch.Tensor): ``[C, K]`` in ``[0, num_micro_batches)``.
+        stat_weights (torch.Tensor): the token-mean weights ``[C, K]`` of the diagnostic stats
+            (ratios, clip fractions, approximate KL); ``weights`` weight the three losses.
         temperature (float): sampling temperature of the trajectory.
         epsilon (float): policy ratio clip range.
         value_clip_range (float): value clip range.
         value_coeff (float): weight of the value loss.
         num_micro_batches (int): ``grad_accum``, the micro-batches the stats are summed into.
+        epsilon_low (Optional[float]): lower ratio clip range; None: ``epsilon``.
+        epsilon_high (Optional[float]): upper ratio clip range; None: ``epsilon``.
+        dual_clip (Optional[float]): dual-clip constant for negative advantages; None: off.
 
     Returns:
         Tuple[torch.Tensor, PPOStats]: the loss to call ``backward`` on, and detached stats, each
@@ -78,19 +87,23 @@ def packed_ppo_loss_step(
     h = final_hidden_states(value_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
     phi_values = rlhf.read_values(value_model.output, h, read_positions)  # [C, K]
 
-    policy_losses, value_losses, ratios, clipped = rlhf.ppo_token_losses(
+    tl = rlhf.ppo_token_losses(
         old_logprobs, pi_logprobs, advantages, old_values, phi_values, returns,
         epsilon=epsilon, value_clip_range=value_clip_range,
+        epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip=dual_clip,
     )
+    policy_losses, value_losses, ratios, clipped = tl[:4]
     token_losses = policy_losses + value_coeff * 0.5 * value_losses
     loss = (token_losses * weights).sum()
 
     approx_kls = 0.5 * (pi_logprobs.detach() - old_logprobs).pow(2)
-    per_token = torch.stack(
-        [token_losses, policy_losses, 0.5 * value_losses, ratios, clipped, approx_kls]
-    ).detach() * weights  # [6, C, K]
+    per_token = torch.cat([
+        torch.stack([token_losses, policy_losses, 0.5 * value_losses]).detach() * weights,
+        torch.stack([ratios, clipped, approx_kls, tl.clipped_low, tl.clipped_high, tl.dual_clipped]).detach()
+        * stat_weights,
+    ])  # [9, C, K], the PPOStats fields
     # A one-hot matmul rather than index_add: inductor 2.13 fails to generate code for an
     # atomic scatter into a size-1 dimension (grad_accum = 1).
     onehot = torch.nn.functional.one_hot(micro_batch_ids.flatten(), num_micro_batches).to(per_token.dtype)
-    per_micro_batch = per_token.flatten(1) @ onehot  # [6, C * K] @ [C * K, G] -> [6, G]
+    per_micro_batch = per_token.flatten(1) @ onehot  # [9, C * K] @ [C * K, G] -> [9, G]
     return loss, rlhf.PPOStats(*per_micro_batch)

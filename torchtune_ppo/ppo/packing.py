@@ -18,7 +18,10 @@ graph for every length mix, where fixed shapes would carry a third or more paddi
 Each read carries the weight ``1 / (grad_accum * valid tokens of its micro-batch)``, the
 micro-batch being the one the recipe drew for it, so the sum of the weighted token losses over
 all micro-steps of a minibatch equals the sum of the micro-batches' masked means scaled by
-``1 / grad_accum``: the same loss, gradients and stats as the padded micro-batches.
+``1 / grad_accum``: the same loss, gradients and stats as the padded micro-batches. The
+``seq-mean-*`` aggregations (:data:`AGGREGATIONS`) weight the loss by sequence instead, over the
+whole (global) minibatch, so they do not depend on how it is split into micro-batches or ranks;
+the diagnostic stats (ratios, clip fractions, approximate KL) keep the token-mean weights.
 """
 
 from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
@@ -64,8 +67,11 @@ class PackedMicroStep(NamedTuple):
         advantages (torch.Tensor): ``[C, K]``.
         returns (torch.Tensor): ``[C, K]``.
         targets (torch.Tensor): ``[C, K]``, the response token read.
-        weights (torch.Tensor): ``[C, K]``, ``1 / (grad_accum * n_valid(micro-batch))``, 0 if unused.
+        weights (torch.Tensor): ``[C, K]``, each token loss's weight in the minibatch loss
+            (:func:`loss_weight`), 0 if unused.
         micro_batch_ids (torch.Tensor): ``[C, K]``, the micro-batch each read belongs to.
+        stat_weights (torch.Tensor): ``[C, K]``, ``1 / (grad_accum * n_valid(micro-batch))``, 0 if
+            unused: the token-mean weights of the diagnostic stats.
     """
 
     tokens: torch.Tensor
@@ -79,6 +85,7 @@ class PackedMicroStep(NamedTuple):
     targets: torch.Tensor
     weights: torch.Tensor
     micro_batch_ids: torch.Tensor
+    stat_weights: torch.Tensor
 
     def mark_dynamic(self) -> "PackedMicroStep":
         """Rows ``R`` and chunk length ``K`` dynamic for ``torch.compile``: the compiled loss step
@@ -88,6 +95,37 @@ class PackedMicroStep(NamedTuple):
 
 # No micro-step has a dimension of size 1: the compiled step would specialise on it.
 MIN_SIZE = 2
+
+AGGREGATIONS = rlhf.AGGREGATIONS
+
+
+def loss_weight(
+    aggregation: str, *, grad_accum: int, micro_batch_tokens: int, num_sequences: int,
+    sequence_tokens: int, response_len: int,
+) -> float:
+    """The weight of each valid token loss of one sequence in its minibatch's loss.
+
+    - ``token-mean``: ``1 / (grad_accum * micro_batch_tokens)``, the mean over each micro-batch's
+      valid tokens, averaged over its ``grad_accum`` micro-batches (torchtune's PPO).
+    - ``seq-mean-token-mean``: ``1 / (num_sequences * sequence_tokens)``, each sequence's token
+      mean, averaged over the minibatch's sequences.
+    - ``seq-mean-token-sum``: ``1 / num_sequences``, each sequence's token sum, averaged.
+    - ``seq-mean-token-sum-norm``: ``1 / (num_sequences * response_len)``, each sequence's token
+      sum over the constant ``T`` (Dr. GRPO, https://arxiv.org/abs/2503.20783), averaged.
+
+    ``num_sequences`` counts the sequences with a valid token in the global minibatch, so the
+    ``seq-mean`` weights are the same however it is split into micro-batches and ranks.
+    """
+    if aggregation == "token-mean":
+        return 1.0 / (grad_accum * max(micro_batch_tokens, 1))
+    n = max(num_sequences, 1)
+    if aggregation == "seq-mean-token-mean":
+        return 1.0 / (n * max(sequence_tokens, 1))
+    if aggregation == "seq-mean-token-sum":
+        return 1.0 / n
+    if aggregation == "seq-mean-token-sum-norm":
+        return 1.0 / (n * response_len)
+    raise ValueError(f"loss.aggregation must be one of {list(AGGREGATIONS)}, got {aggregation!r}")
 
 
 def default_rows(micro_batch_size: int, fixed_shapes: bool = False) -> int:
@@ -189,6 +227,8 @@ def pack_minibatch(
     num_chunks: int = 1,
     valid_totals: Optional[Sequence[int]] = None,
     fixed_shapes: bool = False,
+    aggregation: str = "token-mean",
+    num_sequences: Optional[int] = None,
 ) -> List[PackedMicroStep]:
     """The packed micro-steps of one minibatch: placement on the host, gathers on the device.
 
@@ -209,6 +249,9 @@ def pack_minibatch(
         valid_totals (Optional[Sequence[int]]): per micro-batch, the valid tokens its weights
             divide by; None for its own. With data parallel ranks: the global micro-batch's, so
             the ranks' weighted losses sum to the global micro-batch's mean.
+        aggregation (str): one of :data:`AGGREGATIONS`, see :func:`loss_weight`.
+        num_sequences (Optional[int]): sequences with a valid token in the global minibatch;
+            None: this minibatch's (one process).
 
     Returns:
         List[PackedMicroStep]: one or more micro-steps, each with the rows and reads it uses.
@@ -222,6 +265,15 @@ def pack_minibatch(
     if valid_totals is None:
         valid_totals = [sum(lengths.valid_counts[i] for i in idxs) for idxs in micro_batches]
     scale = [1.0 / (grad_accum * max(n, 1)) for n in valid_totals]
+    if num_sequences is None:
+        num_sequences = sum(lengths.valid_counts[i] > 0 for idxs in micro_batches for i in idxs)
+    weight = [
+        scale[g] if aggregation == "token-mean" else loss_weight(
+            aggregation, grad_accum=grad_accum, micro_batch_tokens=valid_totals[g],
+            num_sequences=num_sequences, sequence_tokens=lengths.valid_counts[i], response_len=response_len,
+        )
+        for g, i in seqs
+    ]
     token_counts = [lengths.prompt_lens[i] + lengths.spans[i] - 1 for _, i in seqs]
     places, step_rows, step_reads = plan_micro_steps(
         token_counts, [lengths.spans[i] for _, i in seqs],
@@ -240,7 +292,7 @@ def pack_minibatch(
     token_src, positions = [0] * slots, [0] * slots
     segments = list(range(-1, -1 - slots, -1))
     read_pos, read_src, read_token, read_micro = [0] * reads, [0] * reads, [0] * reads, [0] * reads
-    read_scale = [0.0] * reads
+    read_scale, read_weight = [0.0] * reads, [0.0] * reads
     for seq, ((g, i), n, (step, slot, read)) in enumerate(zip(seqs, token_counts, places)):
         slot0, read0, span = slot_base[step] + slot, read_base[step] + read, lengths.spans[i]
         first = i * s + prompt_len - lengths.prompt_lens[i]  # flat index of the first real token
@@ -254,11 +306,12 @@ def pack_minibatch(
         read_token[read0 : read0 + span] = range(i * s + prompt_len, i * s + prompt_len + span)
         read_micro[read0 : read0 + span] = [g] * span
         read_scale[read0 : read0 + span] = [scale[g]] * span
+        read_weight[read0 : read0 + span] = [weight[seq]] * span
 
     device = trajectory.query_responses.device
     index = to_device(torch.tensor([token_src, positions, segments]), device)
     read_index = to_device(torch.tensor([read_pos, read_src, read_token, read_micro]), device)
-    read_scale = to_device(torch.tensor(read_scale, dtype=torch.float32), device)
+    read_scale, read_weight = to_device(torch.tensor([read_scale, read_weight], dtype=torch.float32), device)
     token_src, positions, segments = index.view(3, slots // row_len, row_len)
     read_pos, read_src, read_token, read_micro = read_index
 
@@ -278,8 +331,9 @@ def pack_minibatch(
         advantages=gather(advantages),
         returns=gather(returns),
         targets=flat_tokens[read_token],
-        weights=torch.where(valid, read_scale, 0.0),
+        weights=torch.where(valid, read_weight, 0.0),
         micro_batch_ids=read_micro,
+        stat_weights=torch.where(valid, read_scale, 0.0),
     )
     # Separate contiguous tensors per micro-step, each starting at offset 0.
     row_splits = [n // row_len for n in step_slots]

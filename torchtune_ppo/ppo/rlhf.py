@@ -8,6 +8,13 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
+from torchtune_ppo.ppo.kl import kl_estimate
+
+
+# How token losses make the minibatch loss (verl's ``loss_agg_mode`` names); the weights are
+# :func:`torchtune_ppo.ppo.packing.loss_weight`'s.
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
 
 class PPOStats(NamedTuple):
     """Statistics of one PPO loss step, each a 0-dim tensor (torchtune's ``PPOStats`` fields)."""
@@ -18,6 +25,12 @@ class PPOStats(NamedTuple):
     ratios: torch.Tensor
     clipfrac: torch.Tensor
     approx_policy_kls: torch.Tensor
+    # Which side clipped (ratio below 1 - epsilon_low with A < 0, above 1 + epsilon_high with
+    # A > 0) and where dual-clip bounded the loss; they add up to more than ``clipfrac`` only
+    # through ``dualclip_frac``.
+    clipfrac_low: torch.Tensor
+    clipfrac_high: torch.Tensor
+    dualclip_frac: torch.Tensor
 
 
 def masked_mean(
@@ -218,6 +231,7 @@ def get_rewards_ppo(
     kl_coeff: float,
     seq_lens: torch.Tensor,
     masks: torch.Tensor,
+    kl_estimator: str = "k1",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token rewards: ``-kl_coeff * kl`` everywhere valid, plus the score at the last valid token.
 
@@ -228,12 +242,14 @@ def get_rewards_ppo(
         kl_coeff (float): KL penalty coefficient.
         seq_lens (torch.Tensor): valid tokens per row ``[b]`` (>= 1).
         masks (torch.Tensor): bool ``[b, response_len]``, True where valid.
+        kl_estimator (str): the per-token ``kl``, see :func:`torchtune_ppo.ppo.kl.kl_estimate`;
+            ``k1``: ``logprobs - ref_logprobs``.
 
     Returns:
         Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``rewards``, ``kl`` and ``kl_rewards``,
         each ``[b, response_len]`` and 0 at invalid positions.
     """
-    kl = (logprobs - ref_logprobs) * masks
+    kl = kl_estimate(logprobs, ref_logprobs, kl_estimator) * masks
     kl_rewards = -kl_coeff * kl
     last = (seq_lens - 1).clamp(min=0).unsqueeze(-1)  # [b, 1]
     rewards = kl_rewards.scatter_add(1, last, scores.unsqueeze(-1).to(kl_rewards.dtype))
@@ -280,6 +296,28 @@ def estimate_advantages(
     return whiten(advantages, masks, reduce=reduce), returns
 
 
+class TokenLosses(NamedTuple):
+    """Per-token PPO losses and clip indicators, each with the shape of the inputs.
+
+    Attributes:
+        policy_losses (torch.Tensor): clipped (and dual-clipped) policy losses.
+        value_losses (torch.Tensor): clipped value losses, without the 0.5.
+        ratios (torch.Tensor): ``exp(pi_logprobs - pi_old_logprobs)``.
+        clipped (torch.Tensor): 1.0 where the clipped policy loss is the larger.
+        clipped_low (torch.Tensor): 1.0 where it is, with the ratio below ``1 - epsilon_low``.
+        clipped_high (torch.Tensor): 1.0 where it is, with the ratio above ``1 + epsilon_high``.
+        dual_clipped (torch.Tensor): 1.0 where ``-dual_clip * A`` bounded the loss (A < 0).
+    """
+
+    policy_losses: torch.Tensor
+    value_losses: torch.Tensor
+    ratios: torch.Tensor
+    clipped: torch.Tensor
+    clipped_low: torch.Tensor
+    clipped_high: torch.Tensor
+    dual_clipped: torch.Tensor
+
+
 def ppo_token_losses(
     pi_old_logprobs: torch.Tensor,
     pi_logprobs: torch.Tensor,
@@ -289,8 +327,16 @@ def ppo_token_losses(
     returns: torch.Tensor,
     epsilon: float,
     value_clip_range: float,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    epsilon_low: Optional[float] = None,
+    epsilon_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+) -> TokenLosses:
     """Per-token clipped PPO policy and value losses, before any averaging.
+
+    The policy loss is ``max(-A r, -A clip(r, 1 - epsilon_low, 1 + epsilon_high))`` (clip-higher,
+    DAPO https://arxiv.org/abs/2503.14476, when the two differ); with ``dual_clip`` ``c`` it is
+    further bounded by ``-c A`` where ``A < 0`` (dual-clip PPO, https://arxiv.org/abs/1912.09729),
+    so a very large ratio on a bad action cannot make the loss unbounded.
 
     Every argument has one shape, ``[b, response_len]`` or the ``[N]`` of packed reads.
 
@@ -301,26 +347,39 @@ def ppo_token_losses(
         phi_old_values (torch.Tensor): values at trajectory time.
         phi_values (torch.Tensor): values of the current value model.
         returns (torch.Tensor): returns.
-        epsilon (float): policy ratio clip range.
+        epsilon (float): policy ratio clip range, both sides unless overridden.
         value_clip_range (float): value clip range around the old values.
+        epsilon_low (Optional[float]): lower clip range; None: ``epsilon``.
+        epsilon_high (Optional[float]): upper clip range; None: ``epsilon``.
+        dual_clip (Optional[float]): the dual-clip constant ``c > 1``; None: off.
 
     Returns:
-        Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ``policy_losses``,
-        ``value_losses`` (without the 0.5), ``ratios`` and ``clipped`` (1.0 where the clipped
-        policy loss is the larger), each with the shape of the inputs.
+        TokenLosses: each with the shape of the inputs.
     """
+    low = epsilon if epsilon_low is None else epsilon_low
+    high = epsilon if epsilon_high is None else epsilon_high
     ratios = torch.exp(pi_logprobs - pi_old_logprobs)
-    clipped_ratios = torch.clamp(ratios, 1.0 - epsilon, 1.0 + epsilon)
+    clipped_ratios = torch.clamp(ratios, 1.0 - low, 1.0 + high)
     policy_losses_clipped = -advantages * clipped_ratios
     policy_losses_unclipped = -advantages * ratios
-    clipped = (policy_losses_clipped > policy_losses_unclipped).to(ratios.dtype)
+    is_clipped = policy_losses_clipped > policy_losses_unclipped
     policy_losses = torch.maximum(policy_losses_clipped, policy_losses_unclipped)
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        is_dual = (advantages < 0) & (policy_losses > bound)
+        policy_losses = torch.where(is_dual, bound, policy_losses)
+    else:
+        is_dual = torch.zeros_like(is_clipped)
 
     values_clipped = torch.clamp(
         phi_values, phi_old_values - value_clip_range, phi_old_values + value_clip_range
     )
     value_losses = torch.maximum((phi_values - returns) ** 2, (values_clipped - returns) ** 2)
-    return policy_losses, value_losses, ratios, clipped
+    dtype = ratios.dtype
+    return TokenLosses(
+        policy_losses, value_losses, ratios, is_clipped.to(dtype),
+        (is_clipped & (ratios < 1.0)).to(dtype), (is_clipped & (ratios > 1.0)).to(dtype), is_dual.to(dtype),
+    )
 
 
 def ppo_loss(
@@ -356,7 +415,7 @@ def ppo_loss(
     policy_losses, value_losses, ratios, clipped = ppo_token_losses(
         pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns,
         epsilon=epsilon, value_clip_range=value_clip_range,
-    )
+    )[:4]
     clipfrac = masked_mean(clipped, masks)
     policy_loss = masked_mean(policy_losses, masks)
     value_loss = 0.5 * masked_mean(value_losses, masks)

@@ -24,11 +24,26 @@ log = utils.get_logger("INFO")
 
 
 class LossSettings(NamedTuple):
-    """The PPO loss's scalars: ``epsilon`` (ratio clip), ``value_clip_range``, ``value_coeff``."""
+    """The PPO loss's settings (the ``loss`` config block), passed to the loss step as keywords:
+    ``epsilon`` (ratio clip), ``value_clip_range``, ``value_coeff``; clip-higher's
+    ``epsilon_low``/``epsilon_high`` and ``dual_clip`` (None: ``epsilon``, off). ``aggregation``
+    (:data:`~torchtune_ppo.ppo.packing.AGGREGATIONS`) goes to packing, as the token weights."""
 
     epsilon: float
     value_clip_range: float
     value_coeff: float
+    epsilon_low: Optional[float] = None
+    epsilon_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    aggregation: str = "token-mean"
+
+    @classmethod
+    def from_config(cls, loss) -> "LossSettings":
+        """From the checked ``loss`` block, or an instantiated torchtune ``PPOLoss``, which has
+        only the first three (the others keep their defaults)."""
+        def number(x):
+            return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x
+        return cls(**{k: number(getattr(loss, k, cls._field_defaults.get(k))) for k in cls._fields})
 
 
 class UpdateResult(NamedTuple):
@@ -153,23 +168,27 @@ class PPOUpdate:
                            step: int) -> List[rlhf.PPOStats]:
         """Loss and gradients of one minibatch (trajectory rows in micro-batches), packed;
         returns one :class:`~torchtune_ppo.ppo.rlhf.PPOStats` per micro-batch, summed over ranks."""
-        valid_totals = None
-        if distributed.world_size() > 1:  # token weights over the global micro-batch's valid tokens
-            counts = torch.tensor([sum(lengths.valid_counts[i] for i in idxs) for idxs in micro_batches])
-            valid_totals = distributed.all_reduce_sum(counts.to(advantages.device)).tolist()
+        valid_totals = num_sequences = None
+        if distributed.world_size() > 1:  # token weights over the global (micro-)batch's tokens, sequences
+            counts = torch.tensor([sum(lengths.valid_counts[i] for i in idxs) for idxs in micro_batches]
+                                  + [sum(lengths.valid_counts[i] > 0 for idxs in micro_batches for i in idxs)])
+            *valid_totals, num_sequences = distributed.all_reduce_sum(counts.to(advantages.device)).tolist()
+        settings = self._loss._asdict()
+        aggregation = settings.pop("aggregation")
         fixed = self._fixed_shapes
         rows = packing.default_rows(len(micro_batches[0]), fixed_shapes=fixed)
         steps = packing.pack_minibatch(
             trajectory, advantages, returns, micro_batches, lengths,
             prompt_len=self._prompt_len, rows=rows, valid_totals=valid_totals,
             num_chunks=packing.logprob_chunks(rows * self._response_len), fixed_shapes=fixed,
+            aggregation=aggregation, num_sequences=num_sequences,
         )
         self._packed_tokens.update(steps, lengths, micro_batches)
         step_stats, losses = [], []
         for micro_step in distributed.pad_micro_steps(steps):  # every rank runs as many
             loss, stats = self.loss_step(
                 self.policy_model, self.value_model, *(micro_step if fixed else micro_step.mark_dynamic()),
-                temperature=self._temperature, **self._loss._asdict(),
+                temperature=self._temperature, **settings,
                 num_micro_batches=len(micro_batches),
             )
             if self._in_bwd:
@@ -214,6 +233,6 @@ class PPOUpdate:
             return True
         quantity = "loss" if not finite[0] else "gradient norm"
         norm = "" if grad_norm is None else f", grad norm {grad_norm.item():.4g}"
-        log.warning(f"step {step}: non-finite {quantity} ({loss.item():.4g}{norm}); "
+        log.warning(f"step {step}: non-finite {quantity} (loss {loss.item():.4g}{norm}); "
                     "this minibatch update is skipped.")
         return False

@@ -1,7 +1,8 @@
 """Counting PPO steps whose update was skipped for non-finite values, and stopping a run that
-keeps producing them."""
+keeps producing them; what a step that raised leaves saved."""
 
-from typing import Dict
+import logging
+from typing import Any, Callable, Dict, Optional
 
 
 class SkippedSteps:
@@ -37,3 +38,62 @@ class SkippedSteps:
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         self.total, self.consecutive = state["total"], state["consecutive"]
+
+
+class StepInProgress:
+    """What a checkpoint may hold when a step fails midway: the state after the last completed
+    step. The rule: a failure before the step's update (rollout, scoring, advantages) changed
+    nothing a checkpoint holds but the random states, so the checkpoint is saved with the random
+    states captured when the step began; once the update has begun, the optimizer may have
+    stepped some minibatches and the weights are no longer the last completed step's, so
+    nothing is saved (the last checkpoint stays the one to resume from).
+
+    Args:
+        capture_rng (Callable[[], Any]): returns the run's random states now.
+    """
+
+    def __init__(self, capture_rng: Callable[[], Any]) -> None:
+        self._capture_rng = capture_rng
+        self.rng: Any = None
+        self.updating = False
+
+    def begin(self) -> None:
+        self.rng, self.updating = self._capture_rng(), False
+
+    def update_begins(self) -> None:
+        self.updating = True
+
+
+def on_step_failure(error: BaseException, step: StepInProgress, *, steps_run: int, saved_step: Optional[int],
+                    save: Callable[[Any], Optional[str]], world_size: int, resume: str,
+                    log: logging.Logger, rank_zero: bool) -> None:
+    """Saves the state after the last completed step when ``step`` allows it (see
+    :class:`StepInProgress`), then logs where the run is and the command that resumes it.
+
+    ``save(rng)`` writes the checkpoint of ``steps_run`` and returns its path. A failed save
+    (``CheckpointWriteError``) is not retried; under several processes nothing is saved either
+    (the other ranks may never reach the collective gather of the weights).
+    """
+    from torchtune_ppo.checkpointing import CheckpointWriteError
+
+    failed = f"step {steps_run + 1} failed ({type(error).__name__}: {error})"
+    if isinstance(error, CheckpointWriteError):
+        failed, where = f"checkpoint of step {steps_run} not saved: {error}", "the run stops here"
+    elif saved_step == steps_run:
+        where = f"the state after step {steps_run} is already saved"
+    elif world_size > 1:
+        where = (f"not saved: with {world_size} processes the other ranks cannot join the save; "
+                 f"the last checkpoint is of step {saved_step}")
+    elif step.updating:
+        where = (f"not saved: the failure came during the update, after which the weights and "
+                 f"optimizer may hold part of step {steps_run + 1}; the last checkpoint is of "
+                 f"step {saved_step}")
+    elif steps_run == 0:
+        where = "nothing to save: no step completed"
+    else:
+        try:
+            where = f"the state after step {steps_run} is saved to {save(step.rng)}"
+        except Exception as e:  # noqa: BLE001 - report it, then the original error goes on
+            where = f"saving the state after step {steps_run} failed too: {e}"
+    if rank_zero:
+        log.error(f"PPO {failed}; {where}. To continue: {resume}")

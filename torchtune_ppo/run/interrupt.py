@@ -1,8 +1,9 @@
 """Turning SIGINT and SIGTERM into "finish this step, save, and stop"."""
 
 import contextlib
+import shlex
 import signal
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 from torchtune import utils
 
@@ -53,3 +54,10 @@ def stop_on_signals() -> Iterator[StopRequest]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def resume_command(argv: Sequence[str], output_dir: str) -> str:
+    """The command that continues this run: ``argv`` without its own ``output_dir=`` and
+    ``resume_from_checkpoint=`` overrides, then both, once each."""
+    kept = [a for a in argv if not a.startswith(("output_dir=", "resume_from_checkpoint="))]
+    return shlex.join(["tune", "run", *kept, f"output_dir={output_dir}", "resume_from_checkpoint=True"])

@@ -1,0 +1,310 @@
+"""Chaos test: a tiny PPO run under randomly timed faults must end exactly where an
+uninterrupted run ends.
+
+It runs the tiny sentiment task (test shape, ``save_every_n_steps=2``) once without faults, then
+again in a series of attempts, each hit by one random fault and resumed from its newest
+checkpoint by the next attempt:
+
+- ``sigkill``: SIGKILL at a random moment (startup, mid-step, mid-save);
+- ``sigkill_during_save``: SIGKILL inside a save (``TORCHTUNE_PPO_CRASH_DURING_SAVE``, a random point);
+- ``sigterm``: SIGTERM at a random moment (the run finishes its step, saves, exits 143);
+- ``reward_raises``: the rollout raises once, after drawing its samples (exit 1, the state after
+  the last completed step saved);
+- ``full_disk``: every checkpoint write fails with ENOSPC (exit 1, nothing half-written).
+
+A run that reaches its last step before the faults are spent is followed by a fresh one
+(``chaos_<k>``), each compared with the same uninterrupted run. After every attempt each
+``step_*`` folder must be complete, match its checksums and hold finite
+weights and optimizer state. At the end the metrics of every step (the last value logged for it)
+and the final weights must equal the uninterrupted run's, bit for bit.
+
+Usage (one attempt is one process start, ~10-20 s on 2 CPU cores; 50 faults ~15-20 min)::
+
+    python tools/chaos.py --faults 50 --steps 10 --seed 0 --workdir /tmp/ppo-chaos
+
+prints one line per attempt and exits 0 when everything matched, 1 otherwise.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
+SHAPE = ["batch_size=8", "forward_batch_size=4", "ppo_batch_size=4", "gradient_accumulation_steps=2",
+         "ppo_epochs=2", "max_generated_tokens=12", "save_every_n_steps=2", "keep_last_n_checkpoints=2"]
+FAULTS = ("sigkill", "sigkill_during_save", "sigterm", "reward_raises", "full_disk")
+SAVE_POINTS = ("after_policy", "after_value", "after_training_state", "before_rename")
+RAISE_ENV = "CHAOS_RAISE_AT_ROLLOUT"  # the n-th rollout of this process raises
+HOOK_ENVS = ("TORCHTUNE_PPO_CRASH_DURING_SAVE", "TORCHTUNE_PPO_FULL_DISK_DURING_SAVE", RAISE_ENV)
+
+
+# ----------------------------------------------------------------------------- the worker process
+
+
+def worker(overrides: List[str]) -> None:
+    """The recipe, as ``tune run ppo_full_finetune`` runs it, with the reward-raises hook."""
+    import ppo_full_finetune
+
+    from torchtune_ppo.rollout import Rollout
+
+    raise_at = int(os.environ.get(RAISE_ENV, "0"))
+    if raise_at:
+        calls = [0]
+        rollout = Rollout.__call__
+
+        def raising_once(self, *args, **kwargs):
+            out = rollout(self, *args, **kwargs)  # the samples are drawn first
+            calls[0] += 1
+            if calls[0] == raise_at:
+                raise RuntimeError("chaos: the reward function raised")
+            return out
+
+        Rollout.__call__ = raising_once
+    sys.argv = ["ppo_full_finetune", "--config", str(CONFIG), *overrides]
+    sys.exit(ppo_full_finetune.recipe_main())
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def _env(**hooks: str) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in HOOK_ENVS}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return {**env, **hooks}
+
+
+def _start(out: Path, steps: int, resume: bool, log, **hooks: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", f"output_dir={out}",
+           f"num_ppo_steps={steps}", *SHAPE, f"resume_from_checkpoint={resume}"]
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(**hooks), stdout=log, stderr=log)
+
+
+def _log_lines(out: Path) -> List[str]:
+    files = sorted((out / "logs").glob("log_*.txt"), key=lambda f: f.stat().st_mtime)
+    return [line for f in files for line in f.read_text().splitlines() if line.startswith("Step ")]
+
+
+def logged_metrics(out: Path) -> Dict[int, Dict[str, str]]:
+    """``{step: {metric: text}}``, the last value logged for each step over every attempt."""
+    metrics = {}
+    for line in _log_lines(out):
+        head, payload = line.split(" | ", 1)
+        metrics[int(head.split()[1])] = dict(item.split(":", 1) for item in payload.split())
+    return metrics
+
+
+def _timing(key: str) -> bool:
+    return key.startswith("time/") or "per_second" in key or key.startswith("memory")
+
+
+def check_disk(out: Path) -> List[str]:
+    """Problems with what is on disk: every step folder complete, checksummed and finite."""
+    import torch
+    from safetensors.torch import load_file
+
+    from torchtune_ppo.checkpointing import store
+
+    problems = []
+    root = out / store.CHECKPOINTS_DIRNAME
+    for p in sorted(root.glob("step_*")) if root.is_dir() else []:
+        reason = store._invalid_reason(p, verify=True)
+        if reason is not None:
+            problems.append(f"{p}: {reason}")
+            continue
+        for f in p.rglob("*.safetensors"):
+            if not all(bool(torch.isfinite(t).all()) for t in load_file(f).values()):
+                problems.append(f"{f}: non-finite weights")
+        state = store.load_training_state(p)
+        for t in _tensors(state["optimizer"]):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                problems.append(f"{p}: non-finite optimizer state")
+                break
+    return problems
+
+
+def _tensors(obj):
+    import torch
+
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _latest_step(out: Path) -> Optional[int]:
+    from torchtune_ppo.checkpointing import store
+
+    complete = store._complete_steps(out / store.CHECKPOINTS_DIRNAME, warn=False)
+    return complete[-1][0] if complete else None
+
+
+def _weights(step_dir: Path):
+    from safetensors.torch import load_file
+
+    return {f"{m}/{k}": v for m in ("policy", "value") for f in sorted((step_dir / m).glob("*.safetensors"))
+            for k, v in load_file(f).items()}
+
+
+def reference(workdir: Path, steps: int, log) -> Tuple[Path, float, float]:
+    """The uninterrupted run; returns its folder, startup seconds and seconds per step."""
+    out = workdir / "reference"
+    start = time.monotonic()
+    proc = _start(out, steps, False, log)
+    first = None
+    while proc.poll() is None:
+        if first is None and (out / "logs").is_dir() and _log_lines(out):
+            first = time.monotonic() - start
+        time.sleep(0.1)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the reference run failed (rc={proc.returncode}); see {log.name}")
+    wall = time.monotonic() - start
+    first = first or wall / 2
+    return out, first, max(0.05, (wall - first) / max(1, steps - 1))
+
+
+def _wait_steps(proc: subprocess.Popen, out: Path, n: int, timeout: float) -> None:
+    deadline, base = time.monotonic() + timeout, len(_log_lines(out)) if (out / "logs").is_dir() else 0
+    while proc.poll() is None and time.monotonic() < deadline:
+        if ((out / "logs").is_dir() and len(_log_lines(out)) - base >= n):
+            return
+        time.sleep(0.05)
+
+
+def attempt(out: Path, steps: int, fault: str, rng: random.Random, startup: float, per_step: float,
+            log) -> Tuple[int, str]:
+    """One process start hit by ``fault``; returns its exit code and what was done."""
+    resume = _latest_step(out) is not None
+    hooks, what = {}, fault
+    if fault == "sigkill_during_save":
+        hooks["TORCHTUNE_PPO_CRASH_DURING_SAVE"] = point = rng.choice(SAVE_POINTS)
+        what = f"{fault}:{point}"
+    elif fault == "full_disk":
+        hooks["TORCHTUNE_PPO_FULL_DISK_DURING_SAVE"] = "1"
+    elif fault == "reward_raises":
+        hooks[RAISE_ENV] = str(rng.randint(1, 3))
+        what = f"{fault}:rollout {hooks[RAISE_ENV]}"
+    proc = _start(out, steps, resume, log, **hooks)
+    if fault in ("sigkill", "sigterm"):
+        sig = signal.SIGKILL if fault == "sigkill" else signal.SIGTERM
+        if rng.random() < 0.15:  # during startup
+            delay = rng.uniform(0, startup)
+            time.sleep(delay)
+            what = f"{fault}@startup+{delay:.1f}s"
+        else:
+            n = rng.randint(0, 2)
+            _wait_steps(proc, out, n, timeout=startup * 4 + per_step * 10)
+            delay = rng.uniform(0, per_step)
+            time.sleep(delay)
+            what = f"{fault}@{n} steps+{delay:.2f}s"
+        if proc.poll() is None:
+            proc.send_signal(sig)
+    try:
+        rc = proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+        what += " (hung: killed)"
+    return rc, what
+
+
+_EXPECTED_RC = {"sigkill": (-9, 0), "sigkill_during_save": (-9, 0), "sigterm": (128 + 15, -15, 0),
+                "reward_raises": (1, 0), "full_disk": (1, 0)}
+
+
+def faulted_run(out: Path, ref: Path, steps: int, sequence: List[str], kinds: List[str], budget: int,
+                rng: random.Random, startup: float, per_step: float, log, first_fault: int = 0
+                ) -> Tuple[int, List[str]]:
+    """One run hit by up to ``budget`` faults, then finished; returns the faults applied and
+    every problem found (on disk after each fault, and against the reference at the end)."""
+    problems, faults = [], 0
+    while faults < budget and _latest_step(out) != steps:
+        fault = sequence[faults] if sequence else rng.choice(kinds)
+        rc, what = attempt(out, steps, fault, rng, startup, per_step, log)
+        faults += 1
+        found = check_disk(out)
+        if rc not in _EXPECTED_RC[fault]:
+            found.append(f"exit code {rc}")
+        print(f"fault {first_fault + faults}: {what}: rc={rc}, newest checkpoint {_latest_step(out)}"
+              + (f"; PROBLEMS: {found}" if found else ""), flush=True)
+        problems += [f"fault {first_fault + faults} ({what}): {p}" for p in found]
+    for _ in range(3):  # then to the end without faults
+        if _latest_step(out) == steps:
+            break
+        proc = _start(out, steps, _latest_step(out) is not None, log)
+        if proc.wait() != 0:
+            problems.append(f"{out}: the final attempt failed (rc={proc.returncode})")
+        problems += check_disk(out)
+
+    want, got = logged_metrics(ref), logged_metrics(out)
+    if sorted(got) != list(range(1, steps + 1)):
+        problems.append(f"{out}: logged steps {sorted(got)}")
+    for step in sorted(want):
+        for key, value in want[step].items():
+            if not _timing(key) and got.get(step, {}).get(key) != value:
+                problems.append(f"{out}: step {step}: {key} = {got.get(step, {}).get(key)}, uninterrupted {value}")
+    final = out / "checkpoints" / f"step_{steps}"
+    if final.is_dir():
+        import torch
+
+        a, b = _weights(final), _weights(ref / "checkpoints" / f"step_{steps}")
+        if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
+            problems.append(f"{out}: final weights differ from the uninterrupted run's")
+    else:
+        problems.append(f"{out}: no checkpoint of step {steps}")
+    return faults, problems
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=10, help="PPO steps of the run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/ppo-chaos"))
+    parser.add_argument("--kinds", default=",".join(FAULTS), help="comma-separated faults to draw from")
+    parser.add_argument("--sequence", default=None,
+                        help="comma-separated faults to apply in this order (instead of --faults draws)")
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    kinds = args.kinds.split(",")
+    sequence = args.sequence.split(",") if args.sequence else None
+    if sequence:
+        args.faults = len(sequence)
+    for kind in sequence or kinds:
+        if kind not in FAULTS:
+            parser.error(f"unknown fault {kind!r}; choose from {', '.join(FAULTS)}")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    log = open(args.workdir / "processes.log", "w")
+    ref, startup, per_step = reference(args.workdir, args.steps, log)
+    print(f"reference: {args.steps} steps, startup {startup:.1f}s, {per_step:.2f}s/step", flush=True)
+
+    problems, faults, rounds = [], 0, 0
+    while faults < args.faults:  # a run that reaches its end before the faults are spent: another
+        out = args.workdir / f"chaos_{rounds}"
+        shutil.rmtree(out, ignore_errors=True)
+        used, found = faulted_run(out, ref, args.steps, (sequence or [])[faults:], kinds, args.faults - faults,
+                                  rng, startup, per_step, log, first_fault=faults)
+        faults, rounds, problems = faults + used, rounds + 1, problems + found
+        print(f"run {rounds}: {used} faults, {len(found)} problems", flush=True)
+    result = {"faults": faults, "runs": rounds, "steps": args.steps, "problems": problems}
+    (args.workdir / "result.json").write_text(json.dumps(result, indent=2))
+    print(f"{faults} faults, {len(problems)} problems" + "".join(f"\n  {p}" for p in problems[:50]))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2:])
+    sys.exit(main())

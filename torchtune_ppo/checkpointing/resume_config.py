@@ -1,0 +1,190 @@
+"""The run's config saved in every checkpoint, and the check a resume makes against it.
+
+A checkpoint's training state only means something under the config it was saved with: the
+data position counts batches of ``batch_size``, the epoch permutation comes from ``seed`` and
+``shuffle`` over ``dataset``, the LR scheduler counts optimizer steps of ``ppo_batch_size`` /
+``ppo_epochs`` / ``gradient_accumulation_steps``, the optimizer state belongs to one optimizer
+class and to the models the builders make. Those keys (:data:`MUST_MATCH`) must be the same on
+resume, or the run stops before any weights load. Every other key takes the new value; a note
+lists the ones that changed. The optimizer's hyperparameters (``optimizer.lr``,
+``weight_decay``, ...) are applied to the restored optimizer's param groups after its state is
+loaded (:func:`apply_optimizer_overrides`), since loading the state would put the old ones back.
+
+Not checked here: the number of processes. A checkpoint saved on W ranks resumes on any number
+(the optimizer state is keyed by parameter name); the random states restart, with a warning,
+when the count differs (see :class:`~torchtune_ppo.checkpointing.CheckpointClient`).
+``forward_batch_size`` may change: it splits the same work differently, but the sampled
+responses then differ from the uninterrupted run's (the draws are made per forward batch).
+"""
+
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+from omegaconf import DictConfig, OmegaConf
+from torchtune import utils
+
+log = utils.get_logger("INFO")
+
+CONFIG_FNAME = "config.yaml"
+
+# Keys (or key prefixes) whose saved value gives the training state its meaning.
+MUST_MATCH = (
+    "batch_size", "ppo_batch_size", "ppo_epochs", "gradient_accumulation_steps",
+    "seed", "shuffle", "dataset", "max_prompt_len", "max_generated_tokens", "long_prompts",
+    "policy_model", "reward_and_value_model", "tokenizer",
+    "optimizer._component_", "optimizer_in_bwd", "lr_scheduler._component_",
+)
+# Never compared: where the run is, and the switch that says it is resuming.
+IGNORED = ("output_dir", "resume_from_checkpoint")
+_MISSING = "<not set>"
+
+
+class ResumeConfigError(ValueError):
+    """A resume's config differs from its checkpoint's in a key that must match."""
+
+
+def config_to_save(cfg: Union[DictConfig, Mapping]) -> Dict[str, Any]:
+    """The run's resolved config as a plain dict (interpolations fixed), for ``config.yaml``."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return dict(cfg)
+
+
+def saved_config(checkpoint: Union[str, Path]) -> Optional[Dict[str, Any]]:
+    """The config a checkpoint was saved with, or None for a checkpoint of the older format."""
+    path = Path(checkpoint) / CONFIG_FNAME
+    if not path.is_file():
+        return None
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+
+
+def _flatten(d: Any, prefix: str = "") -> Dict[str, Any]:
+    if isinstance(d, Mapping):
+        out = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: d}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def _matches(key: str, patterns: Tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in patterns)
+
+
+def config_differences(saved: Mapping, new: Mapping) -> Tuple[List[Tuple[str, Any, Any]], List[Tuple[str, Any, Any]]]:
+    """``(must_match, may_change)``: lists of ``(key, saved value, new value)`` that differ."""
+    a, b = _flatten(saved), _flatten(new)
+    must, may = [], []
+    for key in sorted(set(a) | set(b)):
+        if _matches(key, IGNORED):
+            continue
+        old, cur = a.get(key, _MISSING), b.get(key, _MISSING)
+        if _same(old, cur):
+            continue
+        (must if _matches(key, MUST_MATCH) else may).append((key, old, cur))
+    return must, may
+
+
+def check_resume_config(checkpoint: Union[str, Path], cfg: Union[DictConfig, Mapping]) -> List[str]:
+    """Compares the resuming run's config with the checkpoint's; call before loading weights.
+
+    Args:
+        checkpoint (Union[str, Path]): the ``step_<N>`` folder the run resumes from.
+        cfg (Union[DictConfig, Mapping]): the resuming run's config.
+
+    Returns:
+        List[str]: the keys that may change and did (each is logged with both values).
+
+    Raises:
+        ResumeConfigError: listing every differing key of :data:`MUST_MATCH` with the saved and
+            the new value, and what to do.
+    """
+    saved = saved_config(checkpoint)
+    if saved is None:
+        log.warning(f"{checkpoint} has no saved {CONFIG_FNAME} (a checkpoint of an older format): "
+                    "the config cannot be checked against it. Keep batch_size, seed, shuffle, "
+                    "dataset and the models as they were, or the resumed run is not the same run.")
+        return []
+    must, may = config_differences(saved, config_to_save(cfg))
+    if must:
+        lines = "\n".join(f"  {k}: saved {old!r}, now {new!r}" for k, old, new in must)
+        fix = " ".join(f"{k}={_cli(old)}" for k, old, _ in must if old is not _MISSING)
+        raise ResumeConfigError(
+            f"Cannot resume from {checkpoint}: these keys differ from the config it was saved "
+            f"with ({Path(checkpoint) / CONFIG_FNAME}), and the saved training state (data "
+            f"position, random states, optimizer and LR schedule) only means something with the "
+            f"saved values:\n{lines}\nResume with the saved values (e.g. {fix or 'remove the new keys'}), "
+            "or start a fresh run in another output_dir (resume_from_checkpoint=False)."
+        )
+    if may:
+        lines = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in may)
+        log.info(f"Resuming with config changes from {checkpoint} (the new values apply): {lines}")
+    return [k for k, _, _ in may]
+
+
+def _param_groups(optimizer: Any) -> List[Tuple[int, Dict[str, Any]]]:
+    # InBackwardOptimizer: one optimizer per parameter, all of them to update.
+    wrappers = getattr(optimizer, "_wrappers", None)
+    if wrappers:
+        return [(i, g) for w in wrappers.values() for opt in w.optim_map.values()
+                for i, g in enumerate(opt.param_groups)]
+    return list(enumerate(optimizer.param_groups))
+
+
+def _cli(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return repr(value)
+    return "null" if value is None else str(value)
+
+
+def apply_optimizer_overrides(optimizer: Any, cfg_optimizer: Union[DictConfig, Mapping],
+                              lr_scheduler: Optional[Any] = None) -> Dict[str, Tuple[Any, Any]]:
+    """Puts the config's optimizer hyperparameters into a restored optimizer's param groups.
+
+    ``optimizer.load_state_dict`` restores the saved param groups, hyperparameters included, so
+    a resume with ``optimizer.lr=1e-5`` would otherwise train at the saved lr. With an LR
+    scheduler, ``lr`` sets its base lr and the current lr is scaled by the same ratio, so the
+    schedule's position is kept.
+
+    Args:
+        optimizer (Any): has ``param_groups`` (restored).
+        cfg_optimizer (Union[DictConfig, Mapping]): the ``optimizer`` config block.
+        lr_scheduler (Optional[Any]): a torch LR scheduler with ``base_lrs``, restored.
+
+    Returns:
+        Dict[str, Tuple[Any, Any]]: ``{key: (restored value, new value)}`` of what changed.
+    """
+    block = config_to_save(cfg_optimizer)
+    changed = {}
+    for key, value in block.items():
+        if key.startswith("_"):
+            continue
+        for i, group in _param_groups(optimizer):
+            if key not in group:
+                continue
+            old = group[key]
+            new = tuple(value) if isinstance(old, tuple) and isinstance(value, (list, tuple)) else value
+            if key == "lr" and lr_scheduler is not None and group.get("initial_lr"):
+                base, new = group["initial_lr"], float(new)
+                if not _same(base, new):  # untouched when equal: a resume stays bit-exact
+                    group["lr"], group["initial_lr"] = old * new / base, new
+                    if i < len(getattr(lr_scheduler, "base_lrs", [])):
+                        lr_scheduler.base_lrs[i] = new
+                    changed[key] = (base, new)
+                continue
+            if not _same(old, new):
+                changed[key] = (old, new)
+                group[key] = float(new) if key == "lr" else new
+    if changed:
+        log.info("Optimizer settings from the config replace the checkpoint's: "
+                 + ", ".join(f"optimizer.{k}: {a} -> {b}" for k, (a, b) in changed.items()))
+    return changed

@@ -1,0 +1,59 @@
+"""The KL to the reference policy in the reward: per-token estimators and the coefficient's
+controller (fixed, or adaptive towards a target KL)."""
+
+from typing import Any, Dict, Optional
+
+import torch
+
+# Schulman's estimators of KL(pi || ref) from samples of pi (http://joschu.net/blog/kl-approx.html).
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token KL estimate from the sampled tokens' logprobs, any shape, e.g. ``[b, T]``.
+
+    - ``k1``: ``logp - ref`` (unbiased, can be negative; torchtune's and the default).
+    - ``k2``: ``0.5 * (logp - ref) ** 2`` (biased, >= 0).
+    - ``k3``: ``exp(ref - logp) - (ref - logp) - 1`` (unbiased, >= 0, low variance; verl's
+      ``low_var_kl``, without its clamp).
+    """
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs).pow(2)
+    if estimator == "k3":
+        log_ratio = ref_logprobs - logprobs
+        return torch.exp(log_ratio) - log_ratio - 1.0
+    raise ValueError(f"kl_estimator must be one of {list(KL_ESTIMATORS)}, got {estimator!r}")
+
+
+class KLController:
+    """The KL penalty coefficient ``value``: fixed, or adapted towards ``target`` after each step.
+
+    The adaptive rule is Ziegler et al.'s (https://arxiv.org/abs/1909.08593, section 2.2):
+    ``beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon)``, with ``KL`` the
+    step's mean per-sequence KL over the global batch and ``n`` its batch size.
+
+    Args:
+        kl_coeff (float): the initial (or fixed) coefficient.
+        target (Optional[float]): the target KL; None keeps ``kl_coeff`` fixed.
+        horizon (float): the horizon of the adaptation, in sequences.
+    """
+
+    def __init__(self, kl_coeff: float, target: Optional[float] = None, horizon: float = 10000) -> None:
+        self.value = float(kl_coeff)
+        self.target, self.horizon = target, float(horizon)
+
+    def update(self, kl: float, n: int) -> float:
+        """After a step whose mean per-sequence KL was ``kl`` over ``n`` sequences; returns the
+        new coefficient. A non-finite ``kl`` leaves it as it was."""
+        if self.target is not None and kl == kl and abs(kl) != float("inf"):
+            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.value *= 1.0 + error * n / self.horizon
+        return self.value
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.value = float(state["value"])
