@@ -42,6 +42,7 @@ from torchtune_ppo.config import (
 from torchtune_ppo.config.checks import warn_unknown_tokens
 from torchtune_ppo.data import prompt_loader
 from torchtune_ppo.ppo.advantages import estimate_advantages
+from torchtune_ppo.ppo.kl import KLController
 from torchtune_ppo.ppo.update import LossSettings, PPOUpdate, nonfinite_score_rows, num_updates
 from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.rewards.model import ModelReward
@@ -80,7 +81,10 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._rng = torch.Generator(self._device).manual_seed(self.seed + distributed.rank())
         self._output_dir, self._num_steps = cfg.output_dir, cfg.num_ppo_steps
         self._prompt_len = cfg.max_prompt_len
-        self._kl_coeff, self._gamma, self._lmbda = cfg.kl_coeff, cfg.gamma, cfg.lmbda
+        # The KL penalty's coefficient: fixed, or adapted towards kl_target after every step.
+        self._kl = KLController(cfg.kl_coeff, cfg.kl_target, cfg.kl_horizon)
+        self._kl_estimator, self._batch_size = cfg.kl_estimator, cfg.batch_size
+        self._gamma, self._lmbda = cfg.gamma, cfg.lmbda
         self._whiten_rewards = cfg.whiten_rewards
         self._save_every_n_steps, self._save_every_n_epochs = cfg.save_every_n_steps, cfg.save_every_n_epochs
         self._log_every_n_steps = cfg.log_every_n_steps
@@ -122,7 +126,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                                                   keep_last_n=cfg.keep_last_n_checkpoints)
         self._checkpoints = checkpointing.CheckpointClient(
             manager, models, self._update.optimizer, self._update.lr_scheduler, self._skipped, [self._rng],
-            run_config=checkpointing.config_to_save(cfg))
+            run_config=checkpointing.config_to_save(cfg), kl_controller=self._kl)
         self._step = StepInProgress(self._checkpoints.capture_rng)
         self._profiler = (training.setup_torch_profiler(enabled=False)[0] if cfg.profiler is None
                           else config.instantiate(cfg.profiler)[0])
@@ -253,8 +257,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                             f"{len(trajectory.scores)} rows; the update is skipped.")
             # step 7: KL-penalised rewards, advantages and returns
             with timer("advantages"):
-                adv = estimate_advantages(trajectory, kl_coeff=self._kl_coeff, gamma=self._gamma,
-                                          lmbda=self._lmbda, whiten_rewards=self._whiten_rewards)
+                adv = estimate_advantages(trajectory, kl_coeff=self._kl.value, gamma=self._gamma, lmbda=self._lmbda,
+                                          whiten_rewards=self._whiten_rewards, kl_estimator=self._kl_estimator)
             # step 8: the PPO update, skipped for a batch with a non-finite score
             if not bad_rows:
                 self._step.update_begins()
@@ -262,18 +266,24 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         if self._is_rank_zero and self._log_samples_every_n_steps and step % self._log_samples_every_n_steps == 0:
             rows = sample_rows(trajectory, prompt_lens, self._tokenizer, self._prompt_len, n=4)
             log_samples(rows, step, f"{self._output_dir}/logs", log)
-        skipped = self._update.num_updates if bad_rows else result.skipped_updates
+        return self._step_metrics(trajectory, adv, None if bad_rows else result, bad_rows, num_truncated, timer)
+
+    def _step_metrics(self, trajectory, adv, result, bad_rows: int, num_truncated: int, timer) -> Dict[str, float]:
+        """The step's logged metrics; counts a skipped step and adapts the KL coefficient."""
+        skipped = self._update.num_updates if result is None else result.skipped_updates
         self._skipped.count(skipped > 0)
-        metrics = step_metrics(trajectory, [] if bad_rows else result.stats, adv.kl, adv.kl_rewards, timer.times,
-                               grad_accum=self._update.gradient_accumulation_steps,
+        metrics = step_metrics(trajectory, [] if result is None else result.stats, adv.kl, adv.kl_rewards,
+                               timer.times, grad_accum=self._update.gradient_accumulation_steps,
                                ppo_epochs=self._update.ppo_epochs)
         metrics.update(
             prompts_truncated=float(num_truncated), nonfinite_score_rows=float(bad_rows),
             skipped_updates=float(skipped), skipped_steps=float(self._skipped.total),
             lr=float(self._update.optimizer.param_groups[0]["lr"]),
             recompiles=float(self._recompiles.since_mark),
-            loss_step_slots_per_token=float("nan") if bad_rows else result.slots_per_token,
+            loss_step_slots_per_token=float("nan") if result is None else result.slots_per_token,
+            kl_coeff=self._kl.value,  # the coefficient this step used
         )
+        self._kl.update(metrics["kl"], n=self._batch_size)  # kl: the global batch's, on every rank
         if self._log_peak_memory_stats:
             metrics.update(training.get_memory_stats(device=self._device))
         return metrics

@@ -318,3 +318,15 @@ def test_lr_scheduler_follows_optimizer_steps_and_is_saved(make_recipe):
 
     state = checkpointing.load_training_state(checkpointing.latest_checkpoint(cfg.output_dir))
     assert state["lr_scheduler"]["last_epoch"] == 8
+
+
+def test_adaptive_kl_coefficient_follows_the_logged_kl(make_recipe):
+    """kl_target: each step uses the coefficient the previous step's KL moved; logged as kl_coeff."""
+    recipe, cfg = make_recipe(num_ppo_steps=3, kl_coeff=0.1, kl_target=1e-4, kl_horizon=40, kl_estimator="k3")
+    logged = []
+    recipe.train(on_step=lambda step, metrics: logged.append(metrics))
+    assert logged[0]["kl_coeff"] == pytest.approx(0.1)
+    for before, after in zip(logged, logged[1:]):
+        error = min(max(before["kl"] / 1e-4 - 1.0, -0.2), 0.2)
+        assert after["kl_coeff"] == pytest.approx(before["kl_coeff"] * (1 + error * cfg.batch_size / 40), rel=1e-9)
+    assert logged[2]["kl_coeff"] != logged[0]["kl_coeff"]

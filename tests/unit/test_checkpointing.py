@@ -438,3 +438,32 @@ def test_unwritable_output_dir_is_named_with_the_os_error(tmp_path):
     assert f"output_dir '{tmp_path / 'a_file' / 'run'}' is not writable: Not a directory" in str(err.value)
     ckpt.check_writable(tmp_path / "new" / "run")
     assert list((tmp_path / "new" / "run").iterdir()) == []
+
+
+def test_the_adaptive_kl_coefficient_is_saved_and_restored(tmp_path):
+    """The controller's coefficient goes into training_state.pt and comes back on load;
+    a checkpoint without it (older runs) leaves the config's coefficient."""
+    from torchtune_ppo.checkpointing import CheckpointClient
+    from torchtune_ppo.ppo.kl import KLController
+    from torchtune_ppo.run.guards import SkippedSteps
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Manager:  # the store's part is tested above: keep the state the client hands over
+        root = tmp_path
+
+        def save(self, step, policy, value, state, run_config=None):
+            self.state = state
+
+    kl = KLController(0.05, target=0.1, horizon=100)
+    kl.update(1.0, n=10)  # KL far above target: +20% * 10 / 100
+    assert kl.value == pytest.approx(0.05 * 1.02)
+    manager = Manager()
+    client = CheckpointClient(manager, {"policy": model, "value": model}, optimizer, None, SkippedSteps(3),
+                              [torch.Generator()], kl_controller=kl)
+    client.save(1, {"steps_run": 1, "epochs_run": 0, "batches_run_in_epoch": 1})
+    assert manager.state["kl_controller"] == {"value": pytest.approx(0.051)}
+    restored = KLController(0.05, target=0.1, horizon=100)
+    restored.load_state_dict(manager.state["kl_controller"])
+    assert restored.value == kl.value

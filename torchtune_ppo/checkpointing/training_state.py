@@ -89,12 +89,15 @@ class CheckpointClient:
         generators (Sequence[torch.Generator]): the run's own random streams.
         run_config (Optional[Mapping[str, Any]]): the run's resolved config, saved as
             ``config.yaml`` in every checkpoint (see :mod:`.resume_config`).
+        kl_controller (Optional[Any]): the adaptive KL coefficient (``state_dict`` /
+            ``load_state_dict``), saved and restored with the rest.
     """
 
     def __init__(self, manager: CheckpointManager, models: Mapping[str, nn.Module], optimizer: Any,
                  lr_scheduler: Optional[Any], skipped_steps: Any, generators: Sequence[torch.Generator],
-                 run_config: Optional[Mapping[str, Any]] = None) -> None:
+                 run_config: Optional[Mapping[str, Any]] = None, kl_controller: Optional[Any] = None) -> None:
         self.manager, self.models = manager, dict(models)
+        self.kl_controller = kl_controller
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.skipped_steps, self.generators = skipped_steps, list(generators)
         self.run_config = run_config
@@ -115,6 +118,7 @@ class CheckpointClient:
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             **{k: progress[k] for k in PROGRESS_KEYS},
             "skipped_steps": self.skipped_steps.state_dict(),
+            **({} if self.kl_controller is None else {"kl_controller": self.kl_controller.state_dict()}),
             "rng": dict(rng) if rng is not None else capture_rng_state(self.generators),
         }
         if world > 1:  # resumed on the same number of ranks, each gets its own back
@@ -140,6 +144,8 @@ class CheckpointClient:
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.skipped_steps.load_state_dict(state["skipped_steps"])
+        if self.kl_controller is not None and "kl_controller" in state:  # older checkpoints: the config's
+            self.kl_controller.load_state_dict(state["kl_controller"])
         rng = state["rng"]
         if world > 1:
             per_rank = state.get("rng_per_rank") or []
