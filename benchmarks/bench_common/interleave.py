@@ -3,9 +3,12 @@
 Round 0 runs A B C, round 1 C B A, round 2 A B C, ...: each round's steps meet nearly the same
 machine state, and a row is as often first as last, so an order effect (a cache another row
 left cold, the clock ramping up) cancels over rounds. The first ``warmup`` rounds are left out
-of the ratios (they compile). After each measured round the driver computes, for every row
-against the reference row, the median of the per-pair ratios of ``key`` and its 95% interval,
-and stops once every interval lies within ``± target_width`` of its median (at least
+of the ratios (they compile); with ``settle`` > 0, warm-up goes on, up to ``settle`` more
+rounds, while a row still compiled graphs in the last round (a row that recompiles for a
+while, torchtune's compiled recipe for one, changes speed as it does, and measuring it then
+mixes two regimes). The steps of the warm-up rounds carry ``warmup: True``. After each
+measured round the driver computes, for every row against the reference row, the median of
+the per-pair ratios of ``key`` and its 95% interval, and stops once every interval lies within ``± target_width`` of its median (at least
 ``min_steps`` pairs, and a full 95% coverage), or at ``max_steps`` measured rounds, or when the
 time budget is spent.
 
@@ -46,6 +49,8 @@ class InterleavedRun:
     widths: Dict[str, float] = field(default_factory=dict)  # last check: half-width by row
     coverage: float = 0.0  # last check: the intervals' coverage (the same for every row)
     reference: Optional[str] = None
+    warmup: int = 0  # warm-up rounds run, the settling ones included
+    settling: List[str] = field(default_factory=list)  # rows that compiled in the last warm-up round
     samples: List[Dict[str, Any]] = field(default_factory=list)  # machine, per measured round
     measure_start: Optional[float] = None  # clock when the first measured round began
     measure_end: Optional[float] = None
@@ -68,6 +73,16 @@ class InterleavedRun:
         return f"stopped after {self.measured} measured pairs: {self.stop} ({width})"
 
 
+def compiled_in_last_step(steps: List[Dict[str, Any]], key: str) -> bool:
+    """Whether the row's last step compiled a graph: ``key`` (graphs compiled since the row
+    began) grew over its previous step, or is above 0 after one step. Rows without ``key``
+    never count as compiling."""
+    if not steps or key not in steps[-1]:
+        return False
+    before = steps[-2][key] if len(steps) > 1 else 0
+    return steps[-1][key] > before
+
+
 def check_widths(steps: Dict[str, List[Dict[str, Any]]], reference: str, key: str,
                  first_round: int) -> Dict[str, Dict[str, Any]]:
     """Ratio summaries of ``key`` against ``reference``, for every other row."""
@@ -83,6 +98,8 @@ def run_interleaved(
     *,
     warmup: int,
     max_steps: int,
+    settle: int = 0,
+    settle_key: str = "graphs",
     min_steps: int = 6,
     target_width: float = 0.05,
     key: str = "step_s",
@@ -92,12 +109,16 @@ def run_interleaved(
     clock: Callable[[], float] = time.perf_counter,
     log: Callable[[str], None] = lambda line: print(line, flush=True),
 ) -> InterleavedRun:
-    """Runs ``warmup + max_steps`` rounds at most, one step of each row per round.
+    """Runs ``warmup (+ settle) + max_steps`` rounds at most, one step of each row per round.
 
     Args:
         rows (Dict[str, Any]): the rows in table order, each with ``step(timeout=None)``.
         warmup (int): leading rounds left out of the ratios.
         max_steps (int): measured rounds at most (the cap on pairs).
+        settle (int): warm-up rounds added at most, one at a time, while a row's last step
+            compiled (``compiled_in_last_step``); ``run.warmup`` is the number of warm-up
+            rounds run, and ``run.settling`` the rows still compiling when warm-up ended.
+        settle_key (str): the steps' count of graphs compiled since the row began.
         min_steps (int): measured rounds before the width test may stop the run.
         target_width (float): stop once every ratio's interval is within ± this of its median.
         key (str): the step's value that the ratios and the stop test use.
@@ -113,10 +134,12 @@ def run_interleaved(
         InterleavedRun: the steps, the failed rows and the reason the run stopped.
     """
     start = clock()
-    run = InterleavedRun(steps={name: [] for name in rows})
+    run = InterleavedRun(steps={name: [] for name in rows}, warmup=warmup)
     alive = list(rows)
     run.stop = "max steps"
-    for r in range(warmup + max_steps):
+    r = -1
+    while r + 1 < run.warmup + max_steps:
+        r += 1
         left = None if budget_s is None else budget_s - (clock() - start)
         if left is not None and left <= 0:
             run.stop = "time budget"
@@ -124,7 +147,7 @@ def run_interleaved(
         if len(alive) < 2 and len(rows) >= 2:
             run.stop = "too few rows"
             break
-        if r == warmup:
+        if r == run.warmup:
             run.measure_start = clock()
             if meter is not None:
                 meter.start()
@@ -137,12 +160,18 @@ def run_interleaved(
                 alive.remove(name)
                 log(f"    {name}: {e.status}: {e.reason}")
                 continue
-            run.steps[name].append({**times, "round": r, "position": position})
+            run.steps[name].append({**times, "round": r, "position": position,
+                                    "warmup": r < run.warmup})
         run.rounds = r + 1
-        run.measured = max(0, run.rounds - warmup)
-        if r < warmup:
-            log(f"  warm-up round {r + 1}/{warmup}: " + ", ".join(
-                f"{n} {run.steps[n][-1][key]:.3f} s" for n in alive if run.steps[n]))
+        run.measured = max(0, run.rounds - run.warmup)
+        if r < run.warmup:
+            run.settling = [n for n in alive if compiled_in_last_step(run.steps[n], settle_key)]
+            extend = r + 1 == run.warmup and run.settling and run.warmup < warmup + settle
+            log(f"  warm-up round {r + 1}/{run.warmup}: " + ", ".join(
+                f"{n} {run.steps[n][-1][key]:.3f} s" for n in alive if run.steps[n])
+                + (f"; {', '.join(run.settling)} compiled: one more warm-up round" if extend else ""))
+            if extend:
+                run.warmup += 1
             continue
         run.measure_end = clock()
         if meter is not None:
@@ -151,7 +180,7 @@ def run_interleaved(
         if len(alive) < 2:
             continue
         run.reference = reference(alive_steps)
-        summaries = check_widths(alive_steps, run.reference, key, warmup)
+        summaries = check_widths(alive_steps, run.reference, key, run.warmup)
         run.widths = {n: s["half_width"] for n, s in summaries.items() if s}
         run.coverage = min([s["coverage"] for s in summaries.values() if s] or [0.0])
         log(f"  measured round {run.measured}: " + ", ".join(

@@ -10,7 +10,8 @@ of steps meets the same machine state:
          + compile.loss_step (everything on)
     8    ours with compile.rollout (steps 1-6 of the RFC as one compiled region) + compile.loss_step
 
-After the warm-up rounds, rounds go on until every row's ratio to the fastest torchtune row
+After the warm-up rounds (``--warmup``, then up to ``--settle`` more while a row still compiled
+graphs in the last round), rounds go on until every row's ratio to the fastest torchtune row
 (the median of its per-pair step-time ratios) has a 95% interval within ``--target-width``
 (default ±5%), or until ``--max-steps`` measured rounds (the report says which). The machine
 state goes with the result (``bench_common.machine``), and a run during which another process
@@ -92,6 +93,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--target-width", type=float, default=0.05,
                    help="stop once every ratio's 95%% interval is within ± this of its median")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per row (not measured)")
+    p.add_argument("--settle", type=int, default=None,
+                   help="warm-up steps added at most while a row still compiles (default 10; --quick 0)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--forward-batch-size", type=int, default=None)
     p.add_argument("--ppo-batch-size", type=int, default=None)
@@ -128,6 +131,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     else:
         defaults = dict(max_steps=40, warmup=2, batch_size=32, forward_batch_size=16, ppo_batch_size=16)
     defaults.setdefault("min_steps", 6)
+    defaults.setdefault("settle", 0 if args.quick else 10)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -154,7 +158,7 @@ def setup_block(args: argparse.Namespace, ours: Dict[str, Any], model: str) -> D
         "max_prompt_len": ours["max_prompt_len"], "max_generated_tokens": ours["max_generated_tokens"],
         "temperature": ours["temperature"], "top_k": ours["top_k"],
         "stop_token_ids": list(ours["stop_token_ids"]),
-        "warmup": args.warmup, "max_steps": args.max_steps, "min_steps": args.min_steps,
+        "warmup": args.warmup, "settle": args.settle, "max_steps": args.max_steps, "min_steps": args.min_steps,
         "target_width": args.target_width,
     }
 
@@ -179,7 +183,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         model, models = preset.describe(), (policy, reward)
     before, meter = loadavg(), CpuMeter()
     rows, ours, run, threads = run_rows(args, work, models, meter)
-    fastest = add_ratios(rows, args.warmup)
+    fastest = add_ratios(rows, run.warmup)
     machine = {**machine_info(ROOT, threads), "loadavg_before": before, "loadavg_after": loadavg()}
     report = {
         "hardware": hardware(args.device),
@@ -192,6 +196,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "verdict": headline_verdict(meter.total(), run.samples, threads),
         "stop": run.describe_stop(args.target_width, args.max_steps),
         "rounds": run.rounds,
+        "warmup_rounds": run.warmup,
+        "still_compiling_after_warmup": run.settling,
         "machine_per_round": run.samples,
         "setup": setup_block(args, ours, model),
         "fastest_torchtune": fastest,

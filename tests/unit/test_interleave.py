@@ -220,3 +220,41 @@ def test_headline_rule():
     early = [dict(samples[0], load_1min=3.0)]
     v = headline_verdict(quiet_total, early, threads=1)
     assert v["headline"] and "not applied" in v["notes"][0]
+
+
+class CompilingRow(FakeRow):
+    """A fake row whose steps report a running count of compiled graphs."""
+
+    def __init__(self, name, times, graphs, calls):
+        super().__init__(name, times, calls)
+        self.graphs = list(graphs)
+
+    def step(self, timeout=None):
+        i = sum(1 for c in self.calls if c == self.name)
+        return {**super().step(timeout), "graphs": self.graphs[i]}
+
+
+def test_warm_up_goes_on_while_a_row_compiles_up_to_the_settle_cap():
+    calls = []
+    # B compiles in rounds 0, 1 and 3 (its count of graphs grows), then no more.
+    rows = {"A": CompilingRow("A", [1.0] * 12, [3] * 12, calls),
+            "B": CompilingRow("B", [2.0] * 12, [5, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7], calls)}
+    run = run_interleaved(rows, warmup=2, max_steps=3, settle=10, min_steps=99, reference=first, log=quiet)
+    # Rounds 0-1 planned; B compiled in round 1 -> round 2 added; not in round 2 -> measuring
+    # starts at round 3 (B's compile in round 3 is measured: the settle test only looks back
+    # at the last warm-up round).
+    assert run.warmup == 3 and run.settling == []
+    assert [s["warmup"] for s in run.steps["B"]] == [True, True, True, False, False, False]
+    assert run.rounds == 6 and run.measured == 3
+    # The cap: B compiles every step; at most 2 rounds are added.
+    calls.clear()
+    rows = {"A": CompilingRow("A", [1.0] * 12, [3] * 12, calls),
+            "B": CompilingRow("B", [2.0] * 12, list(range(1, 13)), calls)}
+    run = run_interleaved(rows, warmup=1, max_steps=2, settle=2, min_steps=99, reference=first, log=quiet)
+    assert run.warmup == 3 and run.settling == ["B"] and run.measured == 2
+    # settle=0 keeps the planned warm-up whatever compiles.
+    calls.clear()
+    rows = {"A": CompilingRow("A", [1.0] * 12, [3] * 12, calls),
+            "B": CompilingRow("B", [2.0] * 12, list(range(1, 13)), calls)}
+    run = run_interleaved(rows, warmup=1, max_steps=2, min_steps=99, reference=first, log=quiet)
+    assert run.warmup == 1 and run.measured == 2

@@ -136,6 +136,10 @@ def report_markdown(report: Dict[str, Any]) -> str:
         f"to its longest prompt), T = {s['max_generated_tokens']}, temperature {s['temperature']}, "
         f"top_k {s['top_k']}, stop_token_ids {s['stop_token_ids']}; {s['warmup']} warm-up + "
         f"up to {s['max_steps']} measured steps per row, interleaved",
+        f"- warm-up: {report.get('warmup_rounds', s['warmup'])} rounds run ({s['warmup']} planned, up to "
+        f"{s.get('settle', 0)} more while a row compiled)"
+        + (f"; still compiling when measuring began: {', '.join(report['still_compiling_after_warmup'])}"
+           if report.get("still_compiling_after_warmup") else "; no row compiled in the last warm-up round"),
         "",
         markdown_table(report["rows"], report["fastest_torchtune"]),
         "",

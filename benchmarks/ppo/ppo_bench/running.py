@@ -35,9 +35,11 @@ def make_worker(name: str, spec_path: Path, work: Path, logs: Path,
 
 
 def fastest_torchtune(steps: Dict[str, List[Dict[str, Any]]], warmup: int) -> str:
-    """The torchtune row with the lowest median measured step so far (else the first row)."""
+    """The torchtune row with the lowest median measured step so far (else the first row):
+    steps of rounds ``>= warmup`` that the driver did not mark as warm-up."""
     def median(name):
-        measured = [s["step_s"] for s in steps[name] if s["round"] >= warmup] or [float("inf")]
+        measured = [s["step_s"] for s in steps[name]
+                    if s["round"] >= warmup and not s.get("warmup")] or [float("inf")]
         return statistics.median(measured)
 
     torchtune_rows = [n for n in steps if ROWS[n].recipe == "torchtune"]
@@ -89,9 +91,10 @@ def run_rows(args: argparse.Namespace, work: Path, models: Optional[Tuple[dict, 
     order = [n for n in args.row_names if n in workers]
     left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - start)
     print(f"[{time.perf_counter() - start:6.0f} s] interleaving {', '.join(order)}: {args.warmup} "
-          f"warm-up rounds, then up to {args.max_steps} pairs", flush=True)
+          f"warm-up rounds (up to {args.settle} more while a row compiles), then up to "
+          f"{args.max_steps} pairs", flush=True)
     run = run_interleaved({n: workers[n] for n in order}, warmup=args.warmup, max_steps=args.max_steps,
-                          min_steps=args.min_steps, target_width=args.target_width, key="step_s",
+                          settle=args.settle, min_steps=args.min_steps, target_width=args.target_width, key="step_s",
                           reference=lambda steps: fastest_torchtune(steps, args.warmup),
                           budget_s=left, meter=meter)
     threads = max([w.info.get("threads") or 1 for w in workers.values()] or [1])
@@ -107,7 +110,7 @@ def run_rows(args: argparse.Namespace, work: Path, models: Optional[Tuple[dict, 
         results[name] = {"status": "ok", "steps": run.steps[name], **done}
     rows = []
     for name in args.row_names:
-        r = summarize(name, ROWS[name].label, results[name], warmup=args.warmup,
+        r = summarize(name, ROWS[name].label, results[name], warmup=run.warmup,
                       batch_size=args.batch_size, gen_tokens=ours["max_generated_tokens"],
                       ppo_epochs=args.ppo_epochs)
         print(f"    {name}: {r['status']}" + (f": {r['step_s']:.3f} s/step, whole run {r['whole_run_s']:.1f} s"
