@@ -31,6 +31,7 @@ metrics; torchtune's, which has none, through a subclass that times its public m
     python benchmarks/ppo/bench_ppo.py --cpu-large          # CPU, fp32, 8-layer dim-256 policy, T = 64
     python benchmarks/ppo/bench_ppo.py --cpu-large --quick  # the same models, two tiny steps
     python benchmarks/ppo/bench_ppo.py --gpu                # CUDA, bf16, Llama-3.2-1B body
+    python benchmarks/ppo/bench_ppo.py --smollm2            # CPU, fp32, SmolLM2-135M-Instruct, vocab 49152
 
 ``--gpu`` builds random-weight HF checkpoints with the Llama-3.2-1B body (16 layers, dim 2048,
 32/8 heads, MLP 8192) but the tiny tokenizer's vocabulary of 512, since the prompts and token
@@ -48,6 +49,21 @@ about half of T at the first step and ~3/8 of T after it (the report's *response
 default rows leave out ``ours_rollout``, whose one unrolled graph grows with T (ask for it
 with ``--rows``).
 
+``--fixed-policy`` sets ``optimizer.lr=1e-30`` in every row: each step still generates, scores,
+runs the PPO epochs and steps the optimizer, but the weights do not move, so the distribution of
+response lengths stays that of step 1. While a policy learns, the work of a step changes with
+its responses' lengths, and differently for each recipe (torchtune's generates and pads to the
+batch's longest response, ours stops and packs at each row's), so the per-pair ratio drifts
+over a run: on ``--cpu-large`` from 1.9x at step 2 (mean response 25 of 64 tokens) to ~4x once
+responses averaged 6 tokens. A fixed policy measures one workload, the one of step 1.
+
+``--smollm2`` runs the SmolLM2-135M-Instruct config (``recipes/configs/smollm2/135M_ppo_arithmetic.yaml``:
+real pretrained weights, the real tokenizer and its vocabulary of 49152, chat prompts) for
+every row. torchtune's recipe has no function rewards, so the reward model is a SmolLM2
+classifier (the prepared checkpoint with a random head, ``value_head_init: normal``) in both
+recipes; the value model starts from the policy with a zero head, as in the config. Prepare the
+model first (``python tools/prepare_smollm2.py``).
+
 Writes ``ppo_bench.md``, ``ppo_bench.json``, ``ppo_bench.png`` (matplotlib, optional) and one
 log per row to ``--out``. The parts live in ``benchmarks/ppo/ppo_bench/``: ``rows`` (what each
 row runs, in its worker process), ``running`` (starting the workers, budgets, timeouts,
@@ -56,6 +72,7 @@ the interleaved driver, the worker protocol and the machine state are ``benchmar
 """
 
 import argparse
+import os
 import shlex
 import shutil
 import sys
@@ -75,6 +92,7 @@ from ppo_bench.running import run_rows  # noqa: E402
 from ppo_bench.summary import add_ratios  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
+SMOLLM2_CONFIG = ROOT / "recipes/configs/smollm2/135M_ppo_arithmetic.yaml"
 TINY_MODEL = "tiny demo task (4-layer policy, 2-layer reward model)"
 
 
@@ -101,6 +119,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ppo-epochs", type=int, default=2)
     p.add_argument("--max-prompt-len", type=int, default=None, help="default: the config's")
     p.add_argument("--max-generated-tokens", type=int, default=None, help="default: the config's")
+    p.add_argument("--fixed-policy", action="store_true",
+                   help="optimizer.lr=1e-30 in every row: full PPO steps whose weights do not move, so "
+                        "the response lengths, and with them each step's work, stay those of step 1")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in every row (CPU)")
     p.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
     p.add_argument("--quick", action="store_true", help="rows 1 and 4, two tiny steps")
@@ -110,6 +131,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     models.add_argument("--cpu-large", action="store_true",
                         help="CPU, fp32, 8-layer dim-256 policy and 4-layer dim-128 reward/value "
                              "model (vocab 512), random weights, T = 64, 13 stop token ids")
+    models.add_argument("--smollm2", action="store_true",
+                        help="CPU, fp32, SmolLM2-135M-Instruct (real weights, vocab 49152), "
+                             "its chat arithmetic prompts, a SmolLM2 reward model with a random head")
     p.add_argument("--device", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=16, help="layers of the --gpu model (16: Llama-3.2-1B)")
@@ -124,6 +148,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     elif args.cpu_large:
         defaults = dict(max_steps=40, warmup=2, batch_size=32, forward_batch_size=16,
                         ppo_batch_size=16, max_generated_tokens=64)
+    elif args.smollm2:
+        # 16 prompts of the config, 12 tokens each: one step of torchtune's eager row takes
+        # tens of seconds here, so fewer pairs, and the cap is what usually ends the run.
+        defaults = dict(max_steps=8, warmup=2, batch_size=16, forward_batch_size=16,
+                        ppo_batch_size=8)
     elif args.gpu:
         defaults = dict(max_steps=10, warmup=2, batch_size=32, forward_batch_size=16,
                         ppo_batch_size=16, max_prompt_len=16, max_generated_tokens=64,
@@ -135,18 +164,45 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.smollm2 and args.config == DEFAULT_CONFIG:
+        args.config = SMOLLM2_CONFIG
     args.device = args.device or ("cuda" if args.gpu else "cpu")
     args.dtype = args.dtype or ("bf16" if args.gpu else "fp32")
     if args.rows:
         names = args.rows.split(",")
     else:
-        names = list(QUICK_ROWS if args.quick else CPU_LARGE_ROWS if args.cpu_large
+        names = list(QUICK_ROWS if args.quick else CPU_LARGE_ROWS if args.cpu_large or args.smollm2
                      else GPU_ROWS if args.gpu else ROWS)
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         p.error(f"unknown rows {unknown}; valid: {list(ROWS)}")
     args.row_names = names
     return args
+
+
+def smollm2_assets() -> "tuple[List[str], str]":
+    """``--smollm2``: the overrides that swap the config's function reward for a SmolLM2 reward
+    model with a random head (torchtune's recipe needs a reward model), and the model's words."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from prepare_smollm2 import DEFAULT_OUTPUT_DIR
+
+    folder = Path(os.environ.get("TORCHTUNE_PPO_SMOLLM2_DIR") or DEFAULT_OUTPUT_DIR)
+    if not (folder / "model.safetensors").exists():
+        raise SystemExit(f"--smollm2 needs the prepared model in {folder}: run "
+                         "`python tools/prepare_smollm2.py` (or set TORCHTUNE_PPO_SMOLLM2_DIR).")
+    reward = [
+        "reward=null",
+        "reward_checkpointer._component_=torchtune_ppo.models.ClassifierHFCheckpointer",
+        f"reward_checkpointer.checkpoint_dir={folder}",
+        "reward_checkpointer.checkpoint_files=[model.safetensors]",
+        "reward_checkpointer.model_type=LLAMA3_2",
+        "reward_checkpointer.value_head_init=normal",
+        "reward_checkpointer.output_dir=${output_dir}/reward",
+    ]
+    words = ("SmolLM2-135M-Instruct (30 layers, dim 576, 9/3 heads, MLP 1536, vocab 49152, real "
+             "weights) as policy, reference and value model (zero head); reward: the same body "
+             "with a random head; chat arithmetic prompts")
+    return reward, words
 
 
 def setup_block(args: argparse.Namespace, ours: Dict[str, Any], model: str) -> Dict[str, Any]:
@@ -181,6 +237,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         # The user's --set comes last: it may change what the preset sets (stop_token_ids).
         args.set = extra + list(args.set)
         model, models = preset.describe(), (policy, reward)
+    elif args.smollm2:
+        extra, model = smollm2_assets()
+        args.set = extra + list(args.set)
+    if args.fixed_policy:
+        args.set = list(args.set) + ["optimizer.lr=1e-30"]
+        model += "; fixed policy (optimizer.lr=1e-30 in every row: the weights do not move)"
     before, meter = loadavg(), CpuMeter()
     rows, ours, run, threads = run_rows(args, work, models, meter)
     fastest = add_ratios(rows, run.warmup)

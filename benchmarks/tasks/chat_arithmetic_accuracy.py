@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=50)
     parser.add_argument("--response-prefix", default=None, help="default: the config's dataset.response_prefix")
     parser.add_argument("--limit", type=int, default=None, help="the first N held-out questions only")
+    parser.add_argument("--show", type=int, default=6, help="samples (question, answer, response) to print")
     args = parser.parse_args(argv)
     cfg = OmegaConf.load(CONFIG)
     max_tokens = args.max_tokens or int(cfg.max_generated_tokens)
@@ -58,6 +59,7 @@ def main(argv=None) -> int:
                           response_prefix=args.response_prefix if args.response_prefix is not None
                           else cfg.dataset.get("response_prefix"))
     rows = [data[i] for i in range(len(data) if args.limit is None else min(args.limit, len(data)))]
+    questions = [p["prompt"] for p in json.loads(Path(asset_path("chat_arithmetic/problems.json")).read_text())["heldout"]]
     P = max(len(r["tokens"]) for r in rows)
     policy = load_policy(Path(args.policy))
     gen = Generator(policy, batch_size=args.batch_size, max_prompt_len=P, max_generated_tokens=max_tokens,
@@ -66,6 +68,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for start in range(0, len(rows), args.batch_size):
             batch = left_pad_prompts(rows[start:start + args.batch_size], max_prompt_len=P, pad_id=tokenizer.pad_id)
+            batch["questions"] = questions[start:start + args.batch_size]
             out = gen.generate(batch["tokens"], batch["prompt_lens"])
             texts = []
             for row in out.query_responses[:, P:].tolist():
@@ -73,9 +76,10 @@ def main(argv=None) -> int:
                 texts.append(tokenizer.decode(row[:stop]))
             scores = reward([""] * len(texts), texts, references=batch["references"])
             correct += int(sum(scores))
-            samples += [{"answer": a, "response": t} for a, t in zip(batch["references"], texts)][:2]
+            samples += [{"question": q, "answer": a, "response": t} for q, a, t in
+                        zip(batch["questions"], batch["references"], texts)]
     print(json.dumps({"policy": args.policy, "heldout_problems": len(rows), "max_tokens": max_tokens,
-                      "greedy_accuracy": round(correct / len(rows), 4), "samples": samples[:6]}))
+                      "greedy_accuracy": round(correct / len(rows), 4), "samples": samples[:args.show]}))
     return 0
 
 
