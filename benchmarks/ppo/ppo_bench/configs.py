@@ -70,7 +70,10 @@ def torchtune_config(ours: Dict[str, Any], args: argparse.Namespace) -> Dict[str
         "optimizer max_generated_tokens temperature top_k stop_token_ids penalise_no_eos "
         "min_response_length reward_penalty kl_coeff gamma lmbda metric_logger log_every_n_steps"
     ).split()
-    cfg = {k: ours[k] for k in same}
+    from torchtune_ppo.config.schema import defaults
+
+    # Keys a config leaves out take our default, which the row then states to torchtune too.
+    cfg = {k: ours[k] if k in ours else defaults()[k] for k in same}
     loss = ours.get("loss") or {}
     cfg.update(
         num_steps=(args.warmup + args.max_steps) * args.batch_size,  # torchtune counts samples
