@@ -31,7 +31,8 @@ class OursRow:
         """Trains; after each step calls ``on_step`` with that step's times (see ``ppo_bench.rows``)."""
         from torchtune_ppo.compile import compile_count
 
-        device, prompt_len = self.cfg.device, self.cfg.max_prompt_len
+        # max_prompt_len: null means the dataset's longest prompt, which setup() resolved.
+        device, prompt_len = self.cfg.device, self.cfg.max_prompt_len or self.recipe._prompt_len
         graphs_before = compile_count()
 
         def step_end(step: int, metrics: Dict[str, float]) -> None:
