@@ -110,7 +110,7 @@ def _full_batch_grads(policy, value, trajectory, advantages, returns, cfg):
         policy, value,
         trajectory.query_responses, trajectory.masks, trajectory.position_ids,
         trajectory.response_padding_masks, trajectory.logprobs, trajectory.values,
-        advantages, returns, loss_scale=1.0, **_loss_kwargs(cfg),
+        advantages, returns, loss_scale=1.0, ref_logprobs=trajectory.ref_logprobs, **_loss_kwargs(cfg),
     )
     loss.backward()
     grads = [p.grad.clone() for m in (policy, value) for p in m.parameters()]
@@ -135,7 +135,7 @@ def test_accumulated_update_equals_sgd_step_on_the_minibatch_mean_gradient(make_
     # one minibatch of 4 rows in 2 micro-batches of 2, one epoch
     recipe, cfg = make_recipe(batch_size=4, ppo_epochs=1, **SGD)
     trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
-    advantages, returns, _, _ = _advantages(cfg, trajectory)
+    advantages, returns = _advantages(cfg, trajectory)[:2]
     before = _params(recipe)
     policy, value = copy.deepcopy(recipe._policy_model), copy.deepcopy(recipe._value_model)
     grads, full_stats = _full_batch_grads(policy, value, trajectory, advantages, returns, cfg)
@@ -154,7 +154,7 @@ def test_consecutive_minibatches_do_not_accumulate_into_each_other(make_recipe):
     # two epochs over one 4-row minibatch: two optimizer steps on the same rows
     recipe, cfg = make_recipe(batch_size=4, ppo_epochs=2, **SGD)
     trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
-    advantages, returns, _, _ = _advantages(cfg, trajectory)
+    advantages, returns = _advantages(cfg, trajectory)[:2]
     policy, value = copy.deepcopy(recipe._policy_model), copy.deepcopy(recipe._value_model)
     params = [p for m in (policy, value) for p in m.parameters()]
     for _ in range(2):  # theta_{k+1} = theta_k - LR * grad(theta_k), fresh gradients each step
@@ -192,7 +192,7 @@ def test_estimate_advantages_returns_are_score_plus_kl_rewards_to_go(tmp_path):
     ref_logprobs = torch.tensor([[-1.5, -1.0, 0.0, 0.0], [-2.0, -1.0, -1.0, -3.0]])
     trajectory = _hand_trajectory(torch.tensor([3.0, -1.0]), logprobs, ref_logprobs, valid)
 
-    advantages, returns, kl, kl_rewards = _advantages(cfg, trajectory)
+    advantages, returns, kl, kl_rewards = _advantages(cfg, trajectory)[:4]
 
     # kl = logprobs - ref on valid tokens: [0.5, -1], [1, 0, 0, 2]; kl_rewards = -0.5 * kl
     torch.testing.assert_close(kl, torch.tensor([[0.5, -1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 2.0]]))
@@ -220,8 +220,8 @@ def test_changing_one_score_moves_only_that_rows_returns_by_the_change(tmp_path)
     before = _hand_trajectory(scores, logprobs, ref_logprobs, valid)
     after = before._replace(scores=torch.tensor([0.5, 6.0, 2.0]))  # row 1: +7
 
-    _, returns_before, _, _ = _advantages(cfg, before)
-    adv_after, returns_after, _, _ = _advantages(cfg, after)
+    returns_before = _advantages(cfg, before).returns
+    adv_after, returns_after = _advantages(cfg, after)[:2]
 
     # no KL penalty, no values, no discount: every valid token's return is its row's score
     torch.testing.assert_close(returns_before, scores[:, None] * valid, atol=1e-6, rtol=0)
@@ -286,7 +286,7 @@ def test_optimizer_in_backward_takes_the_same_step(make_recipe):
     plain_recipe, cfg = make_recipe(batch_size=4, ppo_epochs=2, **dict(SGD, gradient_accumulation_steps=1))
     bwd_recipe, _ = make_recipe(batch_size=4, ppo_epochs=2, **bwd)
     trajectory = _trajectory(plain_recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
-    advantages, returns, _, _ = _advantages(cfg, trajectory)
+    advantages, returns = _advantages(cfg, trajectory)[:2]
     before = _params(bwd_recipe)
     torch.manual_seed(0)
     _update(plain_recipe, trajectory, advantages, returns)

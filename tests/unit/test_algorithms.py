@@ -100,6 +100,7 @@ def _batch(valid_counts):
     traj = SimpleNamespace(
         query_responses=torch.arange(b * (AP + AT)).view(b, AP + AT) % 7 + 1,
         response_padding_masks=~valid, logprobs=torch.zeros(b, AT), values=torch.zeros(b, AT),
+        ref_logprobs=torch.zeros(b, AT),
     )
     advantages = (10 * torch.arange(b)[:, None] + torch.arange(AT)[None, :] + 1.0) * valid
     lengths = packing.SequenceLengths([AP] * b, list(valid_counts), list(valid_counts))

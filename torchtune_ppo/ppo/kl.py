@@ -7,6 +7,8 @@ import torch
 
 # Schulman's estimators of KL(pi || ref) from samples of pi (http://joschu.net/blog/kl-approx.html).
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# In the loss also the straight-through ones: k1's or k3's value, k2's gradient (verl's "k1+", "k3+").
+KL_LOSS_ESTIMATORS = (*KL_ESTIMATORS, "k1+", "k3+")
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
@@ -25,6 +27,24 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
         log_ratio = ref_logprobs - logprobs
         return torch.exp(log_ratio) - log_ratio - 1.0
     raise ValueError(f"kl_estimator must be one of {list(KL_ESTIMATORS)}, got {estimator!r}")
+
+
+def kl_loss_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL term of the loss, any shape (e.g. ``[C, K]`` packed reads); differentiable
+    in ``logprobs``.
+
+    ``k1``, ``k2``, ``k3`` are :func:`kl_estimate`'s, with their own gradients in
+    ``logprobs``: ``1``, ``d`` and ``1 - exp(-d)`` for ``d = logp - ref``. ``k1+`` and ``k3+``
+    are straight-through: the value is ``k1``'s or ``k3``'s, the gradient ``k2``'s (``d``,
+    the gradient of the true KL's second-order expansion), as verl's ``kl_loss_type``.
+    """
+    if not estimator.endswith("+"):
+        return kl_estimate(logprobs, ref_logprobs, estimator)
+    if estimator not in KL_LOSS_ESTIMATORS:
+        raise ValueError(f"loss.kl_estimator must be one of {list(KL_LOSS_ESTIMATORS)}, got {estimator!r}")
+    value = kl_estimate(logprobs.detach(), ref_logprobs, estimator[:-1])
+    k2 = kl_estimate(logprobs, ref_logprobs, "k2")
+    return k2 - k2.detach() + value
 
 
 class KLController:
