@@ -263,10 +263,9 @@ def _check_algorithms(cfg: DictConfig) -> None:
             "the actor's GAE lambda: set one of them to null."
         )
     if cfg.critic_warmup_steps and cfg.critic_warmup_steps >= cfg.num_ppo_steps:
-        raise ValueError(
-            f"critic_warmup_steps ({cfg.critic_warmup_steps}) must be below num_ppo_steps "
-            f"({cfg.num_ppo_steps}): the policy would never be updated."
-        )
+        # Not an error: a run may be trained in parts, resumed with a larger num_ppo_steps.
+        _note(f"critic_warmup_steps={cfg.critic_warmup_steps} covers every step up to num_ppo_steps="
+              f"{cfg.num_ppo_steps}: this run trains the value model only.")
     if cfg.critic_warmup_steps and cfg.optimizer_in_bwd:
         raise ValueError(
             f"critic_warmup_steps={cfg.critic_warmup_steps} with optimizer_in_bwd=True is not supported "
