@@ -278,6 +278,18 @@ def test_kl_loss_estimators_values_and_gradients_by_hand(estimator, value, grad)
     torch.testing.assert_close(g, torch.tensor(grad, dtype=torch.float64))
 
 
+def test_k3_in_the_loss_is_bounded_far_from_the_reference():
+    """d = -30: exp(-d) would be 1e13; the log-ratio is clamped to 20 and the value to 10, with
+    no gradient through the clamp (k3+ keeps k2's gradient d)."""
+    ref = torch.tensor([0.0, 0.0], dtype=torch.float64)
+    logp = torch.tensor([-30.0, -200.0], dtype=torch.float64, requires_grad=True)
+    for estimator, grad in (("k3", [0.0, 0.0]), ("k3+", [-30.0, -200.0])):
+        kl = kl_loss_estimate(logp, ref, estimator)
+        assert kl.tolist() == [10.0, 10.0]
+        (g,) = torch.autograd.grad(kl.sum(), logp)
+        assert g.tolist() == grad
+
+
 def test_loss_terms_from_config():
     cfg = validate_config(_cfg(**{"loss.entropy_coeff": 0.01, "loss.kl_coeff": 0.001, "loss.kl_estimator": "k3+"}))
     s = LossSettings.from_config(cfg.loss)

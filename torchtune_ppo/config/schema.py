@@ -271,8 +271,9 @@ LOSS = Block(
             "kl per `loss.kl_estimator` (logged as `kl_loss` either way). Separate from the reward's "
             "`kl_coeff`, which usually goes to 0 when this is on"),
         Key("kl_estimator", Choice(options=KL_LOSS_ESTIMATORS), "k3",
-            "the loss's per-token KL, d = logprob - ref_logprob: `k1` d, `k2` d^2 / 2, `k3` exp(-d) + d - 1; "
-            "`k1+`, `k3+`: the value of k1, k3 with the gradient of k2 (straight-through, verl)"),
+            "the loss's per-token KL, d = logprob - ref_logprob: `k1` d, `k2` d^2 / 2, `k3` exp(-d) + d - 1 "
+            "(d clamped to [-20, 20], the value to at most 10, as verl's `low_var_kl`); `k1+`, `k3+`: the value "
+            "of k1, k3 with the gradient of k2 (straight-through, verl)"),
     ),
     or_else=" or a `_component_: torchtune.rlhf.loss.PPOLoss` block",
 )
