@@ -386,3 +386,13 @@ def test_bad_algorithm_options_name_the_key(key, value, message):
 def test_conflicting_algorithm_options_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         validate_config(_cfg(**overrides))
+
+
+def test_advantage_metrics_by_hand():
+    from torchtune_ppo.ppo.advantages import Advantages, advantage_metrics
+
+    zeros = torch.zeros(2, 3)
+    adv = Advantages(zeros, zeros, zeros, zeros, torch.tensor([0.5, 0.75]), torch.tensor(0.25))
+    assert advantage_metrics(adv) == {"explained_variance": 0.25, "lmbda_actor": 0.625}
+    bare = advantage_metrics(Advantages(zeros, zeros, zeros, zeros))  # an estimator without GAE
+    assert all(math.isnan(v) for v in bare.values())

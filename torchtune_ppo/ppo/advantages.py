@@ -68,9 +68,11 @@ def estimate_advantages(
 def advantage_metrics(adv: Advantages) -> Dict[str, float]:
     """The logged critic and GAE metrics of a step (one host sync): ``explained_variance`` of the
     returns by the rollout's values, and ``lmbda_actor``, the mean lambda of the advantages,
-    both over the global batch."""
-    lmbda = adv.lmbda_actor.float()
+    both over the global batch; NaN where an estimator sets neither (no critic, no GAE)."""
+    nan = torch.tensor(float("nan"), device=adv.advantages.device)
+    lmbda = nan if adv.lmbda_actor is None else adv.lmbda_actor.float().mean()
     if distributed.world_size() > 1:  # every rank has as many rows
-        lmbda = distributed.all_reduce_sum(lmbda.mean()) / distributed.world_size()
-    explained, lmbda = torch.stack([adv.explained_variance.float(), lmbda.mean()]).tolist()
+        lmbda = distributed.all_reduce_sum(lmbda) / distributed.world_size()
+    explained = nan if adv.explained_variance is None else adv.explained_variance.float()
+    explained, lmbda = torch.stack([explained, lmbda]).tolist()
     return {"explained_variance": explained, "lmbda_actor": lmbda}
