@@ -41,7 +41,7 @@ from torchtune_ppo.config import (
 )
 from torchtune_ppo.config.checks import warn_unknown_tokens
 from torchtune_ppo.data import prompt_loader
-from torchtune_ppo.ppo.advantages import estimate_advantages
+from torchtune_ppo.ppo.advantages import advantage_metrics, estimate_advantages
 from torchtune_ppo.ppo.kl import KLController
 from torchtune_ppo.ppo.update import LossSettings, PPOUpdate, nonfinite_score_rows, num_updates
 from torchtune_ppo.rewards import FunctionReward
@@ -85,6 +85,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._kl = KLController(cfg.kl_coeff, cfg.kl_target, cfg.kl_horizon)
         self._kl_estimator, self._batch_size = cfg.kl_estimator, cfg.batch_size
         self._gamma, self._lmbda = cfg.gamma, cfg.lmbda
+        # Decoupled GAE (VAPO): the actor's lambda, fixed or per response length; None: lmbda.
+        self._lmbda_actor, self._lmbda_length_alpha = cfg.lmbda_actor, cfg.lmbda_length_alpha
         self._whiten_rewards = cfg.whiten_rewards
         self._save_every_n_steps, self._save_every_n_epochs = cfg.save_every_n_steps, cfg.save_every_n_epochs
         self._log_every_n_steps = cfg.log_every_n_steps
@@ -219,6 +221,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             temperature=float(cfg.temperature),
             loss=LossSettings.from_config(loss),
             clip_grad_norm=cfg.clip_grad_norm, optimizer_in_bwd=cfg.optimizer_in_bwd,
+            critic_warmup_steps=cfg.critic_warmup_steps,  # the first N steps train the value model only
         )
 
     def _setup_data(self, cfg: DictConfig):
@@ -258,7 +261,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             # step 7: KL-penalised rewards, advantages and returns
             with timer("advantages"):
                 adv = estimate_advantages(trajectory, kl_coeff=self._kl.value, gamma=self._gamma, lmbda=self._lmbda,
-                                          whiten_rewards=self._whiten_rewards, kl_estimator=self._kl_estimator)
+                                          whiten_rewards=self._whiten_rewards, kl_estimator=self._kl_estimator,
+                                          lmbda_actor=self._lmbda_actor, lmbda_length_alpha=self._lmbda_length_alpha)
             # step 8: the PPO update, skipped for a batch with a non-finite score
             if not bad_rows:
                 self._step.update_begins()
@@ -282,6 +286,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             recompiles=float(self._recompiles.since_mark),
             loss_step_slots_per_token=float("nan") if result is None else result.slots_per_token,
             kl_coeff=self._kl.value,  # the coefficient this step used
+            **advantage_metrics(adv),  # explained_variance, lmbda_actor
         )
         self._kl.update(metrics["kl"], n=self._batch_size)  # kl: the global batch's, on every rank
         if self._log_peak_memory_stats:

@@ -274,3 +274,20 @@ def test_seq_mean_aggregation_two_processes_match_one(tmp_path):
     for a, b in zip(one, two):
         for key in ("clipfrac_low", "clipfrac_high", "dualclip_frac"):
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (key, a[key], b[key])
+
+
+def test_algorithm_options_two_processes_match_one(tmp_path):
+    """Entropy bonus, KL loss term, critic warm-up (the policy's sharded gradients dropped) and
+    length-adaptive GAE on 2 processes log what 1 does: entropy and KL are per-rank shares
+    summed, explained variance and the mean actor lambda are reduced over ranks."""
+    options = ("loss.entropy_coeff=0.01", "loss.kl_coeff=0.1", "loss.kl_estimator=k3+", "critic_warmup_steps=1",
+               "lmbda_length_alpha=0.2")
+    one = _run(tmp_path / "one", 1, *options)
+    two = _run(tmp_path / "two", 2, *options)
+    assert len(one) == len(two) == 3
+    _assert_rows_match(one, two)
+    for a, b in zip(one, two):
+        for key in ("entropy", "kl_loss", "explained_variance", "lmbda_actor"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (key, a[key], b[key])
+    assert abs(one[1]["kl"]) < 1e-5  # step 1 left the policy as it was
+    assert 0 < one[0]["lmbda_actor"] < 1

@@ -98,6 +98,23 @@ def test_loss_options_reach_the_update(tmp_path):
     assert {"clipfrac_high", "dualclip_frac"} <= row.keys()
 
 
+def test_algorithm_options_reach_the_run(tmp_path):
+    """Entropy bonus, a straight-through KL loss term instead of the reward's, critic warm-up and
+    length-adaptive GAE from the config: the run trains and logs their metrics."""
+    _, rows = run_recipe(tmp_path / "run", "num_ppo_steps=2", "compile=False", "loss.entropy_coeff=0.01",
+                         "loss.kl_coeff=0.1", "loss.kl_estimator=k3+", "kl_coeff=0", "critic_warmup_steps=1",
+                         "lmbda=1.0", "lmbda_length_alpha=0.05")
+    first, second = rows
+    for row in rows:
+        for key in ("loss", "entropy", "kl_loss", "explained_variance", "lmbda_actor"):
+            assert math.isfinite(row[key]), (key, row)
+        assert row["entropy"] > 0 and row["kl_loss"] >= 0 and 0 <= row["lmbda_actor"] < 1
+        assert row["kl_reward"] == 0.0
+    # step 1 trained the value model only: step 2's rollout policy is still the reference
+    assert abs(second["kl"]) < 1e-5 and abs(first["kl"]) < 1e-5
+    assert second["kl_loss"] > 0  # step 2 moved the policy during its epochs
+
+
 def test_bad_config_fails_before_loading_models(tmp_path):
     cmd = [*TUNE, "run", "ppo_full_finetune", "--config", str(CONFIG), f"output_dir={tmp_path}", "forward_batch_size=5"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -6,6 +6,7 @@ does.
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -51,6 +52,8 @@ def _trajectory(policy, value, prompt_lens, stops, seed=0):
     )
     advantages = torch.randn(b, T, generator=g) * valid
     returns = torch.randn(b, T, generator=g) * valid
+    # the reference policy away from the policy, so the KL terms and their gradients engage
+    traj = traj._replace(ref_logprobs=(traj.ref_logprobs + 0.4 * torch.randn(b, T, generator=g)) * valid)
     return traj, advantages, returns
 
 
@@ -73,7 +76,7 @@ def _grads(*models):
     return {f"{i}.{n}": p.grad.clone() for i, m in enumerate(models) for n, p in m.named_parameters()}
 
 
-def _padded(policy, value, traj, advantages, returns, micro_batches):
+def _padded(policy, value, traj, advantages, returns, micro_batches, **loss_terms):
     """Today's path: one padded micro-batch each, scaled by 1/grad_accum."""
     _zero_grads(policy, value)
     stats, total = [], 0.0
@@ -82,7 +85,8 @@ def _padded(policy, value, traj, advantages, returns, micro_batches):
         loss, s = ppo_loss_step(
             policy, value, traj.query_responses[idxs], traj.masks[idxs], traj.position_ids[idxs],
             traj.response_padding_masks[idxs], traj.logprobs[idxs], traj.values[idxs],
-            advantages[idxs], returns[idxs], prompt_len=P, loss_scale=1.0 / len(micro_batches), **HP,
+            advantages[idxs], returns[idxs], prompt_len=P, loss_scale=1.0 / len(micro_batches),
+            ref_logprobs=traj.ref_logprobs[idxs], **HP, **loss_terms,
         )
         loss.backward()
         stats.append(s)
@@ -90,7 +94,8 @@ def _padded(policy, value, traj, advantages, returns, micro_batches):
     return total, stats, _grads(policy, value)
 
 
-def _packed(step_fn, policy, value, traj, advantages, returns, micro_batches, rows, fixed_shapes=False):
+def _packed(step_fn, policy, value, traj, advantages, returns, micro_batches, rows, fixed_shapes=False,
+            **loss_terms):
     _zero_grads(policy, value)
     lengths = packing.sequence_lengths(traj, P)
     steps = packing.pack_minibatch(
@@ -100,7 +105,7 @@ def _packed(step_fn, policy, value, traj, advantages, returns, micro_batches, ro
     step_stats, total = [], 0.0
     for step in steps:
         loss, s = step_fn(policy, value, *step.mark_dynamic(),
-                          num_micro_batches=len(micro_batches), **HP)
+                          num_micro_batches=len(micro_batches), **HP, **loss_terms)
         loss.backward()
         step_stats.append(s)
         total = total + loss.detach()
@@ -135,6 +140,25 @@ def test_packed_matches_padded_loss_stats_and_grads(grad_accum, rows):
     _assert_same(packed, padded)
     assert max(g.abs().max() for g in padded[2].values()) > 1e-3  # not trivially zero
     assert 0 < padded[1][0].clipfrac < 1.0 / grad_accum  # clipping is exercised
+
+
+@pytest.mark.parametrize("kl_estimator", ["k1", "k3", "k3+"])
+def test_entropy_bonus_and_kl_loss_match_padded(kl_estimator):
+    """The entropy bonus (entropy read chunk by chunk) and the KL loss term: the packed step's
+    loss, stats and gradients are the padded twin's, whose entropy comes from whole logits."""
+    policy, value = tiny_policy(), tiny_classifier()
+    traj, advantages, returns = _trajectory(policy, value, **RAGGED)
+    micro_batches = _split([3, 0, 6, 1, 7, 2, 5, 4], 2)
+    terms = dict(entropy_coeff=0.05, kl_coeff=0.3, kl_estimator=kl_estimator)
+    padded = _padded(policy, value, traj, advantages, returns, micro_batches, **terms)
+    packed = _packed(packed_ppo_loss_step, policy, value, traj, advantages, returns, micro_batches, 2, **terms)
+    _assert_same(packed, padded)
+    # the terms move the gradients: the same batch without them differs
+    plain = _padded(policy, value, traj, advantages, returns, micro_batches)
+    assert max((plain[2][k] - packed[2][k]).abs().max() for k in plain[2]) > 1e-4
+    entropy, kl = (sum(getattr(s, f) for s in packed[1]) for f in ("entropy", "kl_loss"))
+    assert 0 < entropy < math.log(VOCAB)
+    assert kl > 1e-3 if kl_estimator != "k1" else abs(kl) > 1e-3
 
 
 def test_fixed_shape_packing_matches_padded():
@@ -304,15 +328,16 @@ def test_seq_mean_aggregations_do_not_depend_on_the_micro_batch_split(aggregatio
 
 @pytest.mark.slow  # compiles
 def test_compiled_loss_options_match_eager():
-    """Clip-higher, dual-clip and a seq-mean aggregation through the compiled step: the same
-    loss, stats and gradients as the eager one."""
+    """Clip-higher, dual-clip, a seq-mean aggregation, the entropy bonus and a straight-through
+    KL loss term through the compiled step: the same loss, stats and gradients as the eager one."""
     policy, value = tiny_policy(), tiny_classifier()
     traj, advantages, returns = _trajectory(policy, value, **RAGGED)
     lengths = packing.sequence_lengths(traj, P)
     micro_batches = _split([3, 0, 6, 1, 7, 2, 5, 4], 2)
     steps = packing.pack_minibatch(traj, advantages, returns, micro_batches, lengths, prompt_len=P, rows=2,
                                    num_chunks=CHUNKS, aggregation="seq-mean-token-mean")
-    options = dict(HP, epsilon_low=0.1, epsilon_high=0.3, dual_clip=1.2, num_micro_batches=2)
+    options = dict(HP, epsilon_low=0.1, epsilon_high=0.3, dual_clip=1.2, num_micro_batches=2,
+                   entropy_coeff=0.05, kl_coeff=0.3, kl_estimator="k3+")
     results = []
     for step_fn in (packed_ppo_loss_step, maybe_compile(packed_ppo_loss_step, enabled=True)):
         _zero_grads(policy, value)
@@ -326,3 +351,4 @@ def test_compiled_loss_options_match_eager():
     _assert_same(results[1], results[0])
     stats = results[0][1]
     assert sum(s.dualclip_frac for s in stats) > 0 and sum(s.clipfrac_low for s in stats) > 0
+    assert sum(s.entropy for s in stats) > 0 and sum(s.kl_loss for s in stats) > 1e-3

@@ -110,7 +110,7 @@ def _full_batch_grads(policy, value, trajectory, advantages, returns, cfg):
         policy, value,
         trajectory.query_responses, trajectory.masks, trajectory.position_ids,
         trajectory.response_padding_masks, trajectory.logprobs, trajectory.values,
-        advantages, returns, loss_scale=1.0, **_loss_kwargs(cfg),
+        advantages, returns, loss_scale=1.0, ref_logprobs=trajectory.ref_logprobs, **_loss_kwargs(cfg),
     )
     loss.backward()
     grads = [p.grad.clone() for m in (policy, value) for p in m.parameters()]
@@ -135,7 +135,7 @@ def test_accumulated_update_equals_sgd_step_on_the_minibatch_mean_gradient(make_
     # one minibatch of 4 rows in 2 micro-batches of 2, one epoch
     recipe, cfg = make_recipe(batch_size=4, ppo_epochs=1, **SGD)
     trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
-    advantages, returns, _, _ = _advantages(cfg, trajectory)
+    advantages, returns = _advantages(cfg, trajectory)[:2]
     before = _params(recipe)
     policy, value = copy.deepcopy(recipe._policy_model), copy.deepcopy(recipe._value_model)
     grads, full_stats = _full_batch_grads(policy, value, trajectory, advantages, returns, cfg)
@@ -154,7 +154,7 @@ def test_consecutive_minibatches_do_not_accumulate_into_each_other(make_recipe):
     # two epochs over one 4-row minibatch: two optimizer steps on the same rows
     recipe, cfg = make_recipe(batch_size=4, ppo_epochs=2, **SGD)
     trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
-    advantages, returns, _, _ = _advantages(cfg, trajectory)
+    advantages, returns = _advantages(cfg, trajectory)[:2]
     policy, value = copy.deepcopy(recipe._policy_model), copy.deepcopy(recipe._value_model)
     params = [p for m in (policy, value) for p in m.parameters()]
     for _ in range(2):  # theta_{k+1} = theta_k - LR * grad(theta_k), fresh gradients each step
@@ -192,7 +192,7 @@ def test_estimate_advantages_returns_are_score_plus_kl_rewards_to_go(tmp_path):
     ref_logprobs = torch.tensor([[-1.5, -1.0, 0.0, 0.0], [-2.0, -1.0, -1.0, -3.0]])
     trajectory = _hand_trajectory(torch.tensor([3.0, -1.0]), logprobs, ref_logprobs, valid)
 
-    advantages, returns, kl, kl_rewards = _advantages(cfg, trajectory)
+    advantages, returns, kl, kl_rewards = _advantages(cfg, trajectory)[:4]
 
     # kl = logprobs - ref on valid tokens: [0.5, -1], [1, 0, 0, 2]; kl_rewards = -0.5 * kl
     torch.testing.assert_close(kl, torch.tensor([[0.5, -1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 2.0]]))
@@ -220,8 +220,8 @@ def test_changing_one_score_moves_only_that_rows_returns_by_the_change(tmp_path)
     before = _hand_trajectory(scores, logprobs, ref_logprobs, valid)
     after = before._replace(scores=torch.tensor([0.5, 6.0, 2.0]))  # row 1: +7
 
-    _, returns_before, _, _ = _advantages(cfg, before)
-    adv_after, returns_after, _, _ = _advantages(cfg, after)
+    returns_before = _advantages(cfg, before).returns
+    adv_after, returns_after = _advantages(cfg, after)[:2]
 
     # no KL penalty, no values, no discount: every valid token's return is its row's score
     torch.testing.assert_close(returns_before, scores[:, None] * valid, atol=1e-6, rtol=0)
@@ -277,6 +277,13 @@ def test_train_step_metrics_of_a_first_step(make_recipe):
     assert metrics["loss"] == pytest.approx(loss, abs=1e-5)
     assert 1.0 <= metrics["response_lengths"] <= cfg.max_generated_tokens
     assert 0.0 <= metrics["num_stop_tokens"] <= cfg.batch_size
+    # the policy's entropy over the vocabulary, the loss's KL (k3, 0 at the reference) and the
+    # critic's fit of the returns
+    assert 0.0 < metrics["entropy"] < math.log(recipe._policy_model.output.out_features if hasattr(
+        recipe._policy_model.output, "out_features") else 1e9)
+    assert metrics["kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["lmbda_actor"] == pytest.approx(cfg.lmbda)
+    assert metrics["explained_variance"] <= 1.0
 
 
 def test_optimizer_in_backward_takes_the_same_step(make_recipe):
@@ -286,7 +293,7 @@ def test_optimizer_in_backward_takes_the_same_step(make_recipe):
     plain_recipe, cfg = make_recipe(batch_size=4, ppo_epochs=2, **dict(SGD, gradient_accumulation_steps=1))
     bwd_recipe, _ = make_recipe(batch_size=4, ppo_epochs=2, **bwd)
     trajectory = _trajectory(plain_recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
-    advantages, returns, _, _ = _advantages(cfg, trajectory)
+    advantages, returns = _advantages(cfg, trajectory)[:2]
     before = _params(bwd_recipe)
     torch.manual_seed(0)
     _update(plain_recipe, trajectory, advantages, returns)
@@ -330,3 +337,74 @@ def test_adaptive_kl_coefficient_follows_the_logged_kl(make_recipe):
         error = min(max(before["kl"] / 1e-4 - 1.0, -0.2), 0.2)
         assert after["kl_coeff"] == pytest.approx(before["kl_coeff"] * (1 + error * cfg.batch_size / 40), rel=1e-9)
     assert logged[2]["kl_coeff"] != logged[0]["kl_coeff"]
+
+
+def test_critic_warmup_steps_the_value_model_only(make_recipe):
+    """critic_warmup_steps=1: step 1 moves the value model only, and leaves the policy's
+    optimizer state empty (AdamW with weight decay would move a parameter it stepped even with a
+    zero gradient); step 2 trains both."""
+    recipe, cfg = make_recipe(batch_size=4, ppo_epochs=1, critic_warmup_steps=1,
+                              **{"optimizer.weight_decay": 0.1})
+    trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
+    advantages, returns = _advantages(cfg, trajectory)[:2]
+    policy, value = recipe._policy_model, recipe._value_model
+    optimizer = recipe._update.optimizer
+
+    def snapshot(model):
+        return [p.detach().clone() for p in model.parameters()]
+
+    def moved(before, model):
+        return max((a - b).abs().max().item() for a, b in zip(before, model.parameters()))
+
+    policy0, value0 = snapshot(policy), snapshot(value)
+    recipe._update(trajectory, advantages, returns, PhaseTimer(CPU), step=1)
+    assert moved(policy0, policy) == 0.0
+    assert moved(value0, value) > 1e-5
+    assert not any(p in optimizer.state for p in policy.parameters())
+    assert all(optimizer.state[p]["step"] == 1 for p in value.parameters())  # one minibatch
+
+    value1 = snapshot(value)
+    recipe._update(trajectory, advantages, returns, PhaseTimer(CPU), step=2)
+    assert moved(policy0, policy) > 1e-5 and moved(value1, value) > 1e-5
+    assert all(optimizer.state[p]["step"] == 1 for p in policy.parameters())
+    assert all(optimizer.state[p]["step"] == 2 for p in value.parameters())
+
+
+def test_critic_warmup_resumes_exactly(tmp_path):
+    """A run saved inside the warm-up (step 1 of 2) and resumed logs the metrics of the
+    uninterrupted run and ends with its weights; the policy first moves at step 3."""
+    def run(out, steps, **extra):
+        cfg = _config(out, num_ppo_steps=steps, critic_warmup_steps=2, save_every_n_steps=1,
+                      keep_last_n_checkpoints="null", **extra)
+        recipe = PPOFullFinetuneRecipe(cfg)
+        recipe.setup(cfg)
+        logged = {}
+        try:
+            recipe.train(on_step=lambda step, metrics: logged.update({step: metrics}))
+        finally:
+            recipe.cleanup()
+        return logged
+
+    straight = run(tmp_path / "straight", 3)
+    split = {**run(tmp_path / "split", 1), **run(tmp_path / "split", 3, resume_from_checkpoint=True)}
+    assert sorted(split) == [1, 2, 3]
+    for step in (1, 2, 3):
+        for key, value in straight[step].items():
+            if not key.startswith("time/") and "per_second" not in key:
+                assert split[step][key] == value or (math.isnan(value) and math.isnan(split[step][key])), (step, key)
+
+    from safetensors.torch import load_file
+
+    def weights(out, step, model):
+        files = sorted((out / "checkpoints" / f"step_{step}" / model).glob("*.safetensors"))
+        assert files, (out, step, model)
+        return {k: v for f in files for k, v in load_file(f).items()}
+
+    for model in ("policy", "value"):
+        a, b = weights(tmp_path / "straight", 3, model), weights(tmp_path / "split", 3, model)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), model
+    p1, p2, p3 = (weights(tmp_path / "straight", s, "policy") for s in (1, 2, 3))
+    assert all(torch.equal(p1[k], p2[k]) for k in p1)  # warm-up: the policy stays
+    assert any(not torch.equal(p2[k], p3[k]) for k in p2)
+    v1, v2 = (weights(tmp_path / "straight", s, "value") for s in (1, 2))
+    assert any(not torch.equal(v1[k], v2[k]) for k in v1)

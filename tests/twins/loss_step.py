@@ -1,12 +1,13 @@
 """The padded PPO loss step on ``[b, P + T]`` trajectory rows: the reference twin of
 :func:`torchtune_ppo.ppo.loss_step.packed_ppo_loss_step`, which tests compare it against."""
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
 from torchtune_ppo.ppo import rlhf
+from torchtune_ppo.ppo.kl import kl_loss_estimate
 
 
 def ppo_loss_step(
@@ -27,6 +28,10 @@ def ppo_loss_step(
     value_clip_range: float,
     value_coeff: float,
     loss_scale: float,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    entropy_coeff: float = 0.0,
+    kl_coeff: float = 0.0,
+    kl_estimator: str = "k3",
 ) -> Tuple[torch.Tensor, rlhf.PPOStats]:
     """Forward both trained models on a minibatch and return the scaled PPO loss and its stats.
 
@@ -47,6 +52,11 @@ def ppo_loss_step(
         value_clip_range (float): value clip range.
         value_coeff (float): weight of the value loss.
         loss_scale (float): multiplies the loss and stats, ``1 / gradient_accumulation_steps``.
+        ref_logprobs (Optional[torch.Tensor]): the reference policy's ``[b, T]``; None: the KL
+            stat is 0 (and ``kl_coeff`` must be 0).
+        entropy_coeff (float): the loss gets ``- entropy_coeff * mean entropy``.
+        kl_coeff (float): the loss gets ``+ kl_coeff * mean kl`` (``kl_estimator``).
+        kl_estimator (str): see :func:`~torchtune_ppo.ppo.kl.kl_loss_estimate`.
 
     Returns:
         Tuple[torch.Tensor, PPOStats]: the loss to call ``backward`` on, and detached stats
@@ -56,6 +66,9 @@ def ppo_loss_step(
     responses = query_responses[:, prompt_len:]
     pi_logits = policy_model(query_responses, mask=masks, input_pos=position_ids)
     pi_logprobs = rlhf.response_logprobs(pi_logits, responses, prompt_len, temperature) * valid
+    # [b, T] from the whole [b, T, V] distribution: the reference for the packed step's chunks
+    entropy = rlhf.entropy_from_logprobs(torch.log_softmax(pi_logits[:, prompt_len - 1 : -1].float() / temperature, -1))
+    kl = torch.zeros_like(pi_logprobs) if ref_logprobs is None else kl_loss_estimate(pi_logprobs, ref_logprobs, kl_estimator)
     phi_values = value_model(query_responses, mask=masks, input_pos=position_ids)
     phi_values = rlhf.response_values(phi_values, prompt_len) * valid
 
@@ -71,6 +84,10 @@ def ppo_loss_step(
         value_clip_range=value_clip_range,
         value_coeff=value_coeff,
     )
+    if entropy_coeff:
+        loss = loss - entropy_coeff * rlhf.masked_mean(entropy, valid)
+    if kl_coeff:
+        loss = loss + kl_coeff * rlhf.masked_mean(kl, valid)
     approx_policy_kls = 0.5 * rlhf.masked_mean(
         (pi_logprobs.detach() - old_logprobs).pow(2), valid
     )
@@ -84,5 +101,6 @@ def ppo_loss_step(
         clipfrac * loss_scale,
         approx_policy_kls * loss_scale,
         *(rlhf.masked_mean(x, valid) * loss_scale for x in (tl.clipped_low, tl.clipped_high, tl.dual_clipped)),
+        *(rlhf.masked_mean(x.detach(), valid) * loss_scale for x in (entropy, kl)),
     )
     return loss * loss_scale, stats

@@ -100,6 +100,7 @@ def _batch(valid_counts):
     traj = SimpleNamespace(
         query_responses=torch.arange(b * (AP + AT)).view(b, AP + AT) % 7 + 1,
         response_padding_masks=~valid, logprobs=torch.zeros(b, AT), values=torch.zeros(b, AT),
+        ref_logprobs=torch.zeros(b, AT),
     )
     advantages = (10 * torch.arange(b)[:, None] + torch.arange(AT)[None, :] + 1.0) * valid
     lengths = packing.SequenceLengths([AP] * b, list(valid_counts), list(valid_counts))
@@ -220,3 +221,178 @@ def test_fixed_kl_coefficient_without_target():
 def test_bad_kl_options_name_the_key(key, value, message):
     with pytest.raises(ValueError, match=message):
         validate_config(_cfg(**{key: value}))
+
+
+# ---- entropy bonus and the KL loss term ----------------------------------------------------
+
+from torchtune_ppo.ppo.kl import kl_loss_estimate  # noqa: E402
+
+
+def test_entropy_by_hand():
+    probs = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.5, 0.25, 0.25, 0.0]], dtype=torch.float64)
+    # uniform over 4: ln 4; (1/2, 1/4, 1/4, 0): 1/2 ln 2 + 2 * 1/4 ln 4 = 1.5 ln 2 (0 log 0 = 0)
+    logprobs = torch.log(probs.clamp(min=1e-300))
+    torch.testing.assert_close(rlhf.entropy_from_logprobs(logprobs),
+                               torch.tensor([math.log(4), 1.5 * math.log(2)], dtype=torch.float64))
+
+
+def test_chunked_entropy_is_the_full_softmax_entropy_and_its_gradient():
+    """Reads in 2 chunks of 3 from 5 hidden states: each read's entropy is the one of the full
+    softmax at that state (over temperature), and with ``entropy_grad`` its gradient too."""
+    g = torch.Generator().manual_seed(0)
+    output = torch.nn.Linear(4, 7, bias=False)
+    hidden = torch.randn(5, 4, generator=g, requires_grad=True)
+    reads = torch.tensor([[4, 0, 2], [1, 1, 3]])
+    targets = torch.tensor([[6, 0, 3], [2, 5, 1]])
+    logprobs, entropy = rlhf.read_logprobs_and_entropy(output, hidden, reads, targets, 0.7, entropy_grad=True)
+    full = torch.log_softmax(output(hidden) / 0.7, -1)  # [5, 7]
+    want = -(full.exp() * full).sum(-1)[reads]
+    torch.testing.assert_close(entropy, want)
+    torch.testing.assert_close(logprobs, full[reads.flatten(), targets.flatten()].view(2, 3))
+    (got_grad,) = torch.autograd.grad(entropy.sum(), hidden)
+    (want_grad,) = torch.autograd.grad(want.sum(), hidden)
+    torch.testing.assert_close(got_grad, want_grad)
+    # detached by default: the logprobs alone carry the gradient
+    _, entropy = rlhf.read_logprobs_and_entropy(output, hidden, reads, targets, 0.7)
+    assert not entropy.requires_grad
+
+
+D = torch.tensor([0.5, -1.0, 0.0], dtype=torch.float64)  # d = logp - ref
+
+
+@pytest.mark.parametrize("estimator,value,grad", [
+    ("k1", [0.5, -1.0, 0.0], [1.0, 1.0, 1.0]),
+    ("k2", [0.125, 0.5, 0.0], [0.5, -1.0, 0.0]),  # d
+    # exp(-d) + d - 1, gradient 1 - exp(-d)
+    ("k3", [math.exp(-0.5) - 0.5, math.e - 2.0, 0.0], [1 - math.exp(-0.5), 1 - math.e, 0.0]),
+    # straight-through: k1's or k3's value, k2's gradient d
+    ("k1+", [0.5, -1.0, 0.0], [0.5, -1.0, 0.0]),
+    ("k3+", [math.exp(-0.5) - 0.5, math.e - 2.0, 0.0], [0.5, -1.0, 0.0]),
+])
+def test_kl_loss_estimators_values_and_gradients_by_hand(estimator, value, grad):
+    ref = torch.tensor([-1.0, -0.5, -2.0], dtype=torch.float64)
+    logp = (ref + D).requires_grad_(True)
+    kl = kl_loss_estimate(logp, ref, estimator)
+    torch.testing.assert_close(kl.detach(), torch.tensor(value, dtype=torch.float64))
+    (g,) = torch.autograd.grad(kl.sum(), logp)
+    torch.testing.assert_close(g, torch.tensor(grad, dtype=torch.float64))
+
+
+def test_k3_in_the_loss_is_bounded_far_from_the_reference():
+    """d = -30: exp(-d) would be 1e13; the log-ratio is clamped to 20 and the value to 10, with
+    no gradient through the clamp (k3+ keeps k2's gradient d)."""
+    ref = torch.tensor([0.0, 0.0], dtype=torch.float64)
+    logp = torch.tensor([-30.0, -200.0], dtype=torch.float64, requires_grad=True)
+    for estimator, grad in (("k3", [0.0, 0.0]), ("k3+", [-30.0, -200.0])):
+        kl = kl_loss_estimate(logp, ref, estimator)
+        assert kl.tolist() == [10.0, 10.0]
+        (g,) = torch.autograd.grad(kl.sum(), logp)
+        assert g.tolist() == grad
+
+
+def test_loss_terms_from_config():
+    cfg = validate_config(_cfg(**{"loss.entropy_coeff": 0.01, "loss.kl_coeff": 0.001, "loss.kl_estimator": "k3+"}))
+    s = LossSettings.from_config(cfg.loss)
+    assert (s.entropy_coeff, s.kl_coeff, s.kl_estimator) == (0.01, 0.001, "k3+")
+    assert LossSettings.from_config(validate_config(_cfg()).loss)[-3:] == (0.0, 0.0, "k3")
+
+
+# ---- decoupled and length-adaptive GAE, explained variance ---------------------------------
+
+# one row of 3 valid tokens (and one invalid), gamma = 1
+VALUES = torch.tensor([[1.0, 2.0, 0.5, 0.0]], dtype=torch.float64)
+REWARDS = torch.tensor([[0.0, 1.0, 2.0, 0.0]], dtype=torch.float64)
+VALID = torch.tensor([[True, True, True, False]])
+
+
+@pytest.mark.parametrize("lmbda,expected", [
+    # deltas r_t + V_{t+1} - V_t: 0 + 2 - 1 = 1, 1 + 0.5 - 2 = -0.5, 2 + 0 - 0.5 = 1.5
+    (0.0, [1.0, -0.5, 1.5, 0.0]),
+    # lambda = 1: rewards to go minus V: 3 - 1, 3 - 2, 2 - 0.5
+    (1.0, [2.0, 1.0, 1.5, 0.0]),
+    # lambda = 0.5: A2 = 1.5, A1 = -0.5 + 0.75 = 0.25, A0 = 1 + 0.125
+    (0.5, [1.125, 0.25, 1.5, 0.0]),
+])
+def test_gae_by_hand(lmbda, expected):
+    torch.testing.assert_close(rlhf.gae(VALUES, REWARDS, 1.0, lmbda)[0], torch.tensor(expected, dtype=torch.float64))
+
+
+def test_per_row_lambda_is_each_rows_own_gae():
+    values, rewards = VALUES.repeat(2, 1), REWARDS.repeat(2, 1)
+    per_row = rlhf.gae(values, rewards, 1.0, torch.tensor([0.0, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(per_row[0], rlhf.gae(VALUES, REWARDS, 1.0, 0.0)[0])
+    torch.testing.assert_close(per_row[1], rlhf.gae(VALUES, REWARDS, 1.0, 0.5)[0])
+
+
+def test_decoupled_gae_returns_follow_lmbda_and_advantages_lmbda_actor():
+    advantages, returns = rlhf.estimate_advantages(VALUES, REWARDS, 1.0, 1.0, VALID, lmbda_actor=0.0)
+    # returns: lambda 1 advantages + values = rewards to go 3, 3, 2
+    torch.testing.assert_close(returns[0], torch.tensor([3.0, 3.0, 2.0, 0.0], dtype=torch.float64))
+    # advantages: the lambda 0 ones (1, -0.5, 1.5), whitened: mean 2/3, unbiased std sqrt(13/12)
+    want = (torch.tensor([1.0, -0.5, 1.5], dtype=torch.float64) - 2 / 3) / math.sqrt(13 / 12)
+    torch.testing.assert_close(advantages[0, :3], want, atol=1e-7, rtol=1e-7)
+    coupled, coupled_returns = rlhf.estimate_advantages(VALUES, REWARDS, 1.0, 1.0, VALID)
+    assert torch.equal(coupled_returns, returns) and not torch.allclose(coupled, advantages)
+    assert torch.equal(rlhf.estimate_advantages(VALUES, REWARDS, 1.0, 1.0, VALID, lmbda_actor=1.0)[0], coupled)
+
+
+def test_length_adaptive_lambda_by_hand():
+    # 1 - 1 / (0.05 l): l = 10 -> -1 (so 0), 20 -> 0, 40 -> 0.5, 100 -> 0.8, 1000 -> 0.98
+    got = rlhf.length_adaptive_lmbda(torch.tensor([10, 20, 40, 100, 1000]), 0.05)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0, 0.5, 0.8, 0.98]))
+
+
+@pytest.mark.parametrize("values,expected", [
+    ([1.0, 2.0, 3.0, 4.0], 1.0),  # perfect
+    ([0.0, 0.0, 0.0, 0.0], 0.0),  # a constant: Var(r - v) = Var(r)
+    # r - v = (.5, -.5, .5, -.5): variance 0.25 against Var(r) = 1.25
+    ([0.5, 2.5, 2.5, 4.5], 0.8),
+])
+def test_explained_variance_by_hand(values, expected):
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0, 100.0]], dtype=torch.float64)
+    values = torch.tensor([values + [-50.0]], dtype=torch.float64)  # the 5th token is invalid
+    valid = torch.tensor([[True] * 4 + [False]])
+    ev = rlhf.explained_variance(returns, values, valid)
+    assert ev.item() == pytest.approx(expected, abs=1e-12)
+    # two ranks holding the same rows: the sums double, the ratio stays
+    assert rlhf.explained_variance(returns, values, valid, reduce=lambda x: 2 * x).item() == pytest.approx(expected)
+
+
+def test_explained_variance_of_constant_returns_is_nan():
+    ones = torch.ones(1, 3)
+    assert math.isnan(rlhf.explained_variance(ones, torch.zeros(1, 3), ones.bool()).item())
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("loss.entropy_coeff", -0.1, r"loss.entropy_coeff must be a number >= 0, got -0.1"),
+    ("loss.kl_coeff", -1, r"loss.kl_coeff must be a number >= 0, got -1"),
+    ("loss.kl_estimator", "k2+", r"loss.kl_estimator must be one of \['k1', 'k2', 'k3', 'k1\+', 'k3\+'\], got 'k2\+'"),
+    ("lmbda_actor", 1.5, r"lmbda_actor must be null or a number in \[0, 1\], got 1.5"),
+    ("lmbda_length_alpha", 0, r"lmbda_length_alpha must be null or a number > 0, got 0"),
+    ("critic_warmup_steps", -1, r"critic_warmup_steps must be an integer >= 0, got -1"),
+])
+def test_bad_algorithm_options_name_the_key(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        validate_config(_cfg(**{key: value}))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"lmbda_actor": 0.9, "lmbda_length_alpha": 0.05},
+     r"lmbda_actor \(0.9\) and lmbda_length_alpha \(0.05\) both set the actor's GAE lambda"),
+    ({"critic_warmup_steps": 2, "optimizer_in_bwd": True, "gradient_accumulation_steps": 1, "clip_grad_norm": "null",
+      "lr_scheduler": "null"},
+     r"critic_warmup_steps=2 with optimizer_in_bwd=True is not supported"),
+])
+def test_conflicting_algorithm_options_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        validate_config(_cfg(**overrides))
+
+
+def test_advantage_metrics_by_hand():
+    from torchtune_ppo.ppo.advantages import Advantages, advantage_metrics
+
+    zeros = torch.zeros(2, 3)
+    adv = Advantages(zeros, zeros, zeros, zeros, torch.tensor([0.5, 0.75]), torch.tensor(0.25))
+    assert advantage_metrics(adv) == {"explained_variance": 0.25, "lmbda_actor": 0.625}
+    bare = advantage_metrics(Advantages(zeros, zeros, zeros, zeros))  # an estimator without GAE
+    assert all(math.isnan(v) for v in bare.values())

@@ -53,3 +53,13 @@ def test_planning_a_gpu_config_on_this_machine(capsys):
     assert memory.main(["--config", str(CONFIG), "device=cuda", "checkpointer.checkpoint_dir=/nonexistent"]) in (0, 1)
     out = capsys.readouterr().out
     assert "Memory plan on cuda" in out and "KV cache (16 rows x 36 tokens)" in out
+
+
+def test_entropy_bonus_doubles_the_logits_kept_for_backward():
+    from torchtune_ppo.ppo.packing import default_rows
+
+    cfg = _cfg()
+    base, bonus = (list(memory.memory_plan(c).rows.values())[5] for c in (cfg, _cfg("loss.entropy_coeff=0.01")))
+    micro = cfg.ppo_batch_size // cfg.gradient_accumulation_steps
+    logits = default_rows(micro) * cfg.max_generated_tokens * tiny_policy().tok_embeddings.num_embeddings * 4
+    assert bonus - base == logits

@@ -225,6 +225,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     _check_no_eos_penalty(cfg)
     _check_optimizer_lr(cfg)
     _check_reward(cfg)
+    _check_algorithms(cfg)
     if check_machine:
         check_device(cfg.device)
         _check_checkpoint_files(cfg)
@@ -252,6 +253,28 @@ def _check_optimizer_in_bwd(cfg: DictConfig) -> None:
             f"known, so clip_grad_norm={cfg.clip_grad_norm} cannot apply: set clip_grad_norm=null "
             "or optimizer_in_bwd=False."
         )
+
+
+def _check_algorithms(cfg: DictConfig) -> None:
+    """Rules between the keys of the PPO-family options (decoupled GAE, critic warm-up, KL)."""
+    if cfg.lmbda_actor is not None and cfg.lmbda_length_alpha is not None:
+        raise ValueError(
+            f"lmbda_actor ({cfg.lmbda_actor}) and lmbda_length_alpha ({cfg.lmbda_length_alpha}) both set "
+            "the actor's GAE lambda: set one of them to null."
+        )
+    if cfg.critic_warmup_steps and cfg.critic_warmup_steps >= cfg.num_ppo_steps:
+        # Not an error: a run may be trained in parts, resumed with a larger num_ppo_steps.
+        _note(f"critic_warmup_steps={cfg.critic_warmup_steps} covers every step up to num_ppo_steps="
+              f"{cfg.num_ppo_steps}: this run trains the value model only.")
+    if cfg.critic_warmup_steps and cfg.optimizer_in_bwd:
+        raise ValueError(
+            f"critic_warmup_steps={cfg.critic_warmup_steps} with optimizer_in_bwd=True is not supported "
+            "(the policy's parameters step inside backward): set critic_warmup_steps=0 or optimizer_in_bwd=False."
+        )
+    loss_kl = cfg.loss.get("kl_coeff", 0) if isinstance(cfg.loss, Mapping) else 0
+    if loss_kl and cfg.kl_coeff:
+        _note(f"the KL to the reference policy is both in the reward (kl_coeff={cfg.kl_coeff}) and in the "
+              f"loss (loss.kl_coeff={loss_kl}); GRPO-style runs set kl_coeff=0.")
 
 
 def _check_batch_sizes(cfg: DictConfig) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from torchtune_ppo.ppo.kl import KL_ESTIMATORS
+from torchtune_ppo.ppo.kl import KL_ESTIMATORS, KL_LOSS_ESTIMATORS
 from torchtune_ppo.ppo.rlhf import AGGREGATIONS
 
 COMPILE_REGIONS = ("generate", "trajectory", "loss_step", "rollout")
@@ -263,6 +263,17 @@ LOSS = Block(
             "how token losses make a minibatch's loss: `token-mean` (each micro-batch's token mean, "
             "averaged over them, as torchtune), or over the global minibatch's sequences `seq-mean-token-sum`, "
             "`seq-mean-token-mean`, `seq-mean-token-sum-norm` (token sum / `max_generated_tokens`, Dr. GRPO)"),
+        Key("entropy_coeff", Number(ge=0), 0.0,
+            "entropy bonus: each token's loss gets `- entropy_coeff * H`, H the policy's entropy over "
+            "the vocabulary at that position (logged as `entropy` either way)"),
+        Key("kl_coeff", Number(ge=0), 0.0,
+            "KL to the reference policy as a loss term (GRPO): each token's loss gets `+ kl_coeff * kl`, "
+            "kl per `loss.kl_estimator` (logged as `kl_loss` either way). Separate from the reward's "
+            "`kl_coeff`, which usually goes to 0 when this is on"),
+        Key("kl_estimator", Choice(options=KL_LOSS_ESTIMATORS), "k3",
+            "the loss's per-token KL, d = logprob - ref_logprob: `k1` d, `k2` d^2 / 2, `k3` exp(-d) + d - 1 "
+            "(d clamped to [-20, 20], the value to at most 10, as verl's `low_var_kl`); `k1+`, `k3+`: the value "
+            "of k1, k3 with the gradient of k2 (straight-through, verl)"),
     ),
     or_else=" or a `_component_: torchtune.rlhf.loss.PPOLoss` block",
 )
@@ -365,7 +376,18 @@ SCHEMA: Tuple[Key, ...] = (
     Key("whiten_rewards", Bool(), False,
         "whiten the per-token rewards before GAE (torchtune's key; its default is off)"),
     Key("gamma", Number(ge=0, le=1), 1.0, "GAE discount"),
-    Key("lmbda", Number(ge=0, le=1), 0.95, "GAE lambda"),
+    Key("lmbda", Number(ge=0, le=1), 0.95,
+        "GAE lambda (of the critic's returns and, unless `lmbda_actor` or `lmbda_length_alpha` is "
+        "set, of the actor's advantages)"),
+    Key("lmbda_actor", Number(ge=0, le=1, optional=True), None,
+        "decoupled GAE (VAPO): the actor's advantages use this lambda, the critic's returns `lmbda`; "
+        "null: `lmbda`"),
+    Key("lmbda_length_alpha", Number(gt=0, optional=True), None,
+        "length-adaptive GAE (VAPO): the actor's lambda is `1 - 1 / (alpha * l)` (at least 0), l the "
+        "response's valid tokens, e.g. 0.05; null: off"),
+    Key("critic_warmup_steps", Int(ge=0), 0,
+        "the first N PPO steps train the value model only (the policy and its optimizer state are "
+        "left as they are)"),
     # A `_component_` block (torchtune's PPOLoss) keeps its own defaults instead of these.
     Key("loss", LOSS, LOSS.defaults(),
         "PPO loss: the plain keys below, or torchtune's `PPOLoss` `_component_` block (which keeps "

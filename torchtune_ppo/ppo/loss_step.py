@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from torchtune_ppo.ppo import rlhf
+from torchtune_ppo.ppo.kl import kl_loss_estimate
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states
 from torchtune_ppo.ppo.packing import block_causal_masks
 
@@ -33,6 +34,7 @@ def packed_ppo_loss_step(
     weights: torch.Tensor,
     micro_batch_ids: torch.Tensor,
     stat_weights: torch.Tensor,
+    ref_logprobs: torch.Tensor,
     *,
     temperature: float,
     epsilon: float,
@@ -42,6 +44,9 @@ def packed_ppo_loss_step(
     epsilon_low: Optional[float] = None,
     epsilon_high: Optional[float] = None,
     dual_clip: Optional[float] = None,
+    entropy_coeff: float = 0.0,
+    kl_coeff: float = 0.0,
+    kl_estimator: str = "k3",
 ) -> Tuple[torch.Tensor, rlhf.PPOStats]:
     """Forward both trained models on one packed micro-step; return its weighted PPO loss and stats.
 
@@ -67,7 +72,9 @@ def packed_ppo_loss_step(
             unused reads (``1 / (grad_accum * valid tokens of the micro-batch)`` for token-mean).
         micro_batch_ids (torch.Tensor): ``[C, K]`` in ``[0, num_micro_batches)``.
         stat_weights (torch.Tensor): the token-mean weights ``[C, K]`` of the diagnostic stats
-            (ratios, clip fractions, approximate KL); ``weights`` weight the three losses.
+            (ratios, clip fractions, approximate KL, entropy, KL to the reference);
+            ``weights`` weight the loss terms.
+        ref_logprobs (torch.Tensor): the reference policy's logprobs ``[C, K]``.
         temperature (float): sampling temperature of the trajectory.
         epsilon (float): policy ratio clip range.
         value_clip_range (float): value clip range.
@@ -76,6 +83,11 @@ def packed_ppo_loss_step(
         epsilon_low (Optional[float]): lower ratio clip range; None: ``epsilon``.
         epsilon_high (Optional[float]): upper ratio clip range; None: ``epsilon``.
         dual_clip (Optional[float]): dual-clip constant for negative advantages; None: off.
+        entropy_coeff (float): the token loss gets ``- entropy_coeff * entropy`` (the policy's
+            entropy over the vocabulary at the read); 0: the entropy is only a stat.
+        kl_coeff (float): the token loss gets ``+ kl_coeff * kl`` (``kl`` from
+            :func:`~torchtune_ppo.ppo.kl.kl_loss_estimate` with ``kl_estimator``); 0: a stat only.
+        kl_estimator (str): ``k1``, ``k2``, ``k3``, ``k1+`` or ``k3+``.
 
     Returns:
         Tuple[torch.Tensor, PPOStats]: the loss to call ``backward`` on, and detached stats, each
@@ -83,7 +95,8 @@ def packed_ppo_loss_step(
     """
     masks = block_causal_masks(segment_ids)  # [R, L, L]
     h = final_hidden_states(policy_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
-    pi_logprobs = rlhf.read_logprobs(policy_model.output, h, read_positions, targets, temperature)  # [C, K]
+    pi_logprobs, entropy = rlhf.read_logprobs_and_entropy(
+        policy_model.output, h, read_positions, targets, temperature, entropy_grad=entropy_coeff != 0)  # [C, K]
     h = final_hidden_states(value_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
     phi_values = rlhf.read_values(value_model.output, h, read_positions)  # [C, K]
 
@@ -94,16 +107,21 @@ def packed_ppo_loss_step(
     )
     policy_losses, value_losses, ratios, clipped = tl[:4]
     token_losses = policy_losses + value_coeff * 0.5 * value_losses
+    kl = kl_loss_estimate(pi_logprobs if kl_coeff else pi_logprobs.detach(), ref_logprobs, kl_estimator)
+    if entropy_coeff:  # Python floats: the graph is specialised on which terms are on
+        token_losses = token_losses - entropy_coeff * entropy
+    if kl_coeff:
+        token_losses = token_losses + kl_coeff * kl
     loss = (token_losses * weights).sum()
 
     approx_kls = 0.5 * (pi_logprobs.detach() - old_logprobs).pow(2)
     per_token = torch.cat([
         torch.stack([token_losses, policy_losses, 0.5 * value_losses]).detach() * weights,
-        torch.stack([ratios, clipped, approx_kls, tl.clipped_low, tl.clipped_high, tl.dual_clipped]).detach()
-        * stat_weights,
-    ])  # [9, C, K], the PPOStats fields
+        torch.stack([ratios, clipped, approx_kls, tl.clipped_low, tl.clipped_high, tl.dual_clipped,
+                     entropy, kl]).detach() * stat_weights,
+    ])  # [11, C, K], the PPOStats fields
     # A one-hot matmul rather than index_add: inductor 2.13 fails to generate code for an
     # atomic scatter into a size-1 dimension (grad_accum = 1).
     onehot = torch.nn.functional.one_hot(micro_batch_ids.flatten(), num_micro_batches).to(per_token.dtype)
-    per_micro_batch = per_token.flatten(1) @ onehot  # [9, C * K] @ [C * K, G] -> [9, G]
+    per_micro_batch = per_token.flatten(1) @ onehot  # [11, C * K] @ [C * K, G] -> [11, G]
     return loss, rlhf.PPOStats(*per_micro_batch)

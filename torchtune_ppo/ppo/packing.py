@@ -72,6 +72,7 @@ class PackedMicroStep(NamedTuple):
         micro_batch_ids (torch.Tensor): ``[C, K]``, the micro-batch each read belongs to.
         stat_weights (torch.Tensor): ``[C, K]``, ``1 / (grad_accum * n_valid(micro-batch))``, 0 if
             unused: the token-mean weights of the diagnostic stats.
+        ref_logprobs (torch.Tensor): ``[C, K]``, the reference policy's logprobs (the loss's KL).
     """
 
     tokens: torch.Tensor
@@ -86,6 +87,7 @@ class PackedMicroStep(NamedTuple):
     weights: torch.Tensor
     micro_batch_ids: torch.Tensor
     stat_weights: torch.Tensor
+    ref_logprobs: torch.Tensor
 
     def mark_dynamic(self) -> "PackedMicroStep":
         """Rows ``R`` and chunk length ``K`` dynamic for ``torch.compile``: the compiled loss step
@@ -334,6 +336,7 @@ def pack_minibatch(
         weights=torch.where(valid, read_weight, 0.0),
         micro_batch_ids=read_micro,
         stat_weights=torch.where(valid, read_scale, 0.0),
+        ref_logprobs=gather(trajectory.ref_logprobs),
     )
     # Separate contiguous tensors per micro-step, each starting at offset 0.
     row_splits = [n // row_len for n in step_slots]

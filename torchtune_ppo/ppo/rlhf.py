@@ -4,7 +4,7 @@ All functions are pure, keep shapes static (no boolean indexing), and compile wi
 breaks. Masks are True where a token is valid.
 """
 
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -31,6 +31,11 @@ class PPOStats(NamedTuple):
     clipfrac_low: torch.Tensor
     clipfrac_high: torch.Tensor
     dualclip_frac: torch.Tensor
+    # Token means over the micro-batch, like ``ratios``: the policy's entropy over the full
+    # vocabulary at the response positions, and the loss's per-token KL estimate to the
+    # reference policy (``loss.kl_estimator``), both computed whatever their loss weights.
+    entropy: torch.Tensor
+    kl_loss: torch.Tensor
 
 
 def masked_mean(
@@ -122,6 +127,54 @@ def read_logprobs(
         token_logprobs(output, hidden.index_select(0, read_positions[c]), targets[c], temperature)
         for c in range(read_positions.shape[0])
     ])
+
+
+def entropy_from_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
+    """Entropy ``-sum_v p_v log p_v`` of distributions given by their log-probabilities
+    ``[..., V]`` (a ``log_softmax``) -> ``[...]``."""
+    return -(logprobs.exp() * logprobs).sum(-1)
+
+
+def token_logprobs_and_entropy(
+    output: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy_grad: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` of ``targets [n]`` and the entropy of the same ``[n, V]``
+    distribution (logits over ``temperature``), each float32 ``[n]``.
+
+    With ``entropy_grad`` False the entropy is detached: backward keeps nothing more than the
+    logprobs' (the ``[n, V]`` log-softmax), and the logprobs are the same bits as
+    :func:`token_logprobs`'.
+    """
+    logits = output(hidden).float() / temperature  # [n, V]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    entropy = entropy_from_logprobs(logprobs if entropy_grad else logprobs.detach())
+    return torch.gather(logprobs, 1, targets[:, None]).squeeze(1), entropy
+
+
+def read_logprobs_and_entropy(
+    output: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    read_positions: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy_grad: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`read_logprobs` and the policy's entropy at the same reads, both float32 ``[C, K]``.
+
+    One output projection per chunk of ``K`` reads, as :func:`read_logprobs`: no ``[R, L, V]``
+    or ``[C, K, V]`` tensor, the largest float32 one is ``[K, V]``. ``entropy_grad``: see
+    :func:`token_logprobs_and_entropy`.
+    """
+    chunks = [
+        token_logprobs_and_entropy(output, hidden.index_select(0, read_positions[c]), targets[c], temperature,
+                                   entropy_grad)
+        for c in range(read_positions.shape[0])
+    ]
+    return torch.stack([lp for lp, _ in chunks]), torch.stack([h for _, h in chunks])
 
 
 def read_values(
@@ -256,33 +309,26 @@ def get_rewards_ppo(
     return rewards, kl, kl_rewards
 
 
-def estimate_advantages(
+def gae(
     values: torch.Tensor,
     rewards: torch.Tensor,
     gamma: float,
-    lmbda: float,
-    masks: torch.Tensor,
-    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Generalized Advantage Estimation (https://arxiv.org/abs/1506.02438), then whitening.
+    lmbda: Union[float, torch.Tensor],
+) -> torch.Tensor:
+    """Generalized Advantage Estimation (https://arxiv.org/abs/1506.02438), not whitened.
 
-    Values and rewards past the last valid token must be 0 (as :func:`get_rewards_ppo` and the
-    trajectory leave them), so the recursion ends at each row's last valid token.
+    ``A_t = delta_t + gamma * lmbda * A_{t+1}`` with ``delta_t = r_t + gamma * V_{t+1} - V_t``;
+    values and rewards past each row's last valid token must be 0, so the recursion ends there.
 
     Args:
-        values (torch.Tensor): value estimates ``[b, response_len]``.
-        rewards (torch.Tensor): per-token rewards ``[b, response_len]``.
+        values (torch.Tensor): value estimates ``[b, response_len]``, 0 where invalid.
+        rewards (torch.Tensor): per-token rewards ``[b, response_len]``, 0 where invalid.
         gamma (float): discount factor.
-        lmbda (float): GAE lambda.
-        masks (torch.Tensor): bool ``[b, response_len]``, True where valid.
-        reduce (Optional[Callable]): see :func:`whiten`.
+        lmbda (Union[float, torch.Tensor]): GAE lambda, one for all rows or one per row ``[b]``.
 
     Returns:
-        Tuple[torch.Tensor, torch.Tensor]: ``advantages`` (whitened over valid tokens, 0 elsewhere)
-        and ``returns`` (``advantages + values`` before whitening), each ``[b, response_len]``.
+        torch.Tensor: advantages ``[b, response_len]``.
     """
-    values = values * masks
-    rewards = rewards * masks
     response_len = values.shape[-1]
     last_gae = torch.zeros_like(values[:, 0])
     advantages = []
@@ -291,9 +337,87 @@ def estimate_advantages(
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         last_gae = delta + gamma * lmbda * last_gae
         advantages.append(last_gae)
-    advantages = torch.stack(advantages[::-1], dim=1)
+    return torch.stack(advantages[::-1], dim=1)
+
+
+def length_adaptive_lmbda(seq_lens: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO's actor lambda for a response of ``l`` tokens, ``1 - 1 / (alpha * l)``, at least 0
+    (VAPO, https://arxiv.org/abs/2504.05118): ``seq_lens [b]`` -> float32 ``[b]``.
+
+    The sum of the weights GAE gives the TD errors, ``1 / (1 - lambda)``, is then ``alpha * l``:
+    proportional to the length, so long responses keep a low-bias estimate and short ones a
+    low-variance one.
+    """
+    return (1.0 - 1.0 / (alpha * seq_lens.clamp(min=1).float())).clamp(min=0.0)
+
+
+def estimate_advantages(
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    gamma: float,
+    lmbda: float,
+    masks: torch.Tensor,
+    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    lmbda_actor: Optional[Union[float, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GAE advantages (whitened) and returns; with ``lmbda_actor`` decoupled (VAPO).
+
+    Values and rewards past the last valid token must be 0 (as :func:`get_rewards_ppo` and the
+    trajectory leave them), so the recursion ends at each row's last valid token.
+
+    Args:
+        values (torch.Tensor): value estimates ``[b, response_len]``.
+        rewards (torch.Tensor): per-token rewards ``[b, response_len]``.
+        gamma (float): discount factor.
+        lmbda (float): GAE lambda of the returns (the critic's targets), and of the advantages
+            unless ``lmbda_actor`` is given.
+        masks (torch.Tensor): bool ``[b, response_len]``, True where valid.
+        reduce (Optional[Callable]): see :func:`whiten`.
+        lmbda_actor (Optional[Union[float, torch.Tensor]]): the advantages' lambda, one or per
+            row ``[b]`` (:func:`length_adaptive_lmbda`); None: ``lmbda``.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor]: ``advantages`` (whitened over valid tokens, 0 elsewhere)
+        and ``returns`` (``lmbda``'s advantages + values), each ``[b, response_len]``.
+    """
+    values = values * masks
+    rewards = rewards * masks
+    advantages = gae(values, rewards, gamma, lmbda)
     returns = advantages + values
+    if lmbda_actor is not None:
+        advantages = gae(values, rewards, gamma, lmbda_actor)
     return whiten(advantages, masks, reduce=reduce), returns
+
+
+def explained_variance(
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    masks: torch.Tensor,
+    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> torch.Tensor:
+    """How much of the returns' variance the critic's values explain, over valid tokens:
+    ``1 - Var(returns - values) / Var(returns)`` (1: perfect, 0: no better than the mean,
+    negative: worse; NaN when the returns are constant).
+
+    Args:
+        returns (torch.Tensor): ``[b, response_len]``.
+        values (torch.Tensor): ``[b, response_len]``.
+        masks (torch.Tensor): bool ``[b, response_len]``, True where valid.
+        reduce (Optional[Callable]): sums over processes (see :func:`whiten`), for the variance
+            over every process's valid tokens.
+
+    Returns:
+        torch.Tensor: 0-dim.
+    """
+    m = masks.to(returns.dtype)
+    both = torch.stack([returns, returns - values]) * m  # [2, b, T]
+    sums = torch.cat([both.sum((1, 2)), m.sum()[None]])  # [3]: two sums and the count
+    sums = reduce(sums) if reduce is not None else sums
+    n = sums[2].clamp(min=1.0)
+    centered = (both - (sums[:2] / n)[:, None, None]) * m  # two passes: no cancellation
+    var = centered.pow(2).sum((1, 2))
+    var = reduce(var) if reduce is not None else var
+    return torch.where(var[0] > 0, 1.0 - var[1] / var[0], torch.nan)
 
 
 class TokenLosses(NamedTuple):

@@ -26,8 +26,10 @@ log = utils.get_logger("INFO")
 class LossSettings(NamedTuple):
     """The PPO loss's settings (the ``loss`` config block), passed to the loss step as keywords:
     ``epsilon`` (ratio clip), ``value_clip_range``, ``value_coeff``; clip-higher's
-    ``epsilon_low``/``epsilon_high`` and ``dual_clip`` (None: ``epsilon``, off). ``aggregation``
-    (:data:`~torchtune_ppo.ppo.packing.AGGREGATIONS`) goes to packing, as the token weights."""
+    ``epsilon_low``/``epsilon_high`` and ``dual_clip`` (None: ``epsilon``, off); the entropy bonus
+    ``entropy_coeff`` and the KL loss term ``kl_coeff`` with its ``kl_estimator`` (0: off).
+    ``aggregation`` (:data:`~torchtune_ppo.ppo.packing.AGGREGATIONS`) goes to packing, as the
+    token weights."""
 
     epsilon: float
     value_clip_range: float
@@ -36,6 +38,9 @@ class LossSettings(NamedTuple):
     epsilon_high: Optional[float] = None
     dual_clip: Optional[float] = None
     aggregation: str = "token-mean"
+    entropy_coeff: float = 0.0
+    kl_coeff: float = 0.0
+    kl_estimator: str = "k3"
 
     @classmethod
     def from_config(cls, loss) -> "LossSettings":
@@ -98,6 +103,9 @@ class PPOUpdate:
         loss (LossSettings): the PPO loss's scalars.
         clip_grad_norm (Optional[float]): max gradient norm; None: no clipping.
         optimizer_in_bwd (bool): ``optimizer`` steps inside backward.
+        critic_warmup_steps (int): PPO steps (1-based ``step`` up to this) that update the value
+            model only: the policy's gradients are dropped before clipping and the optimizer
+            step, so its weights and optimizer state stay as they were.
     """
 
     def __init__(
@@ -118,6 +126,7 @@ class PPOUpdate:
         loss: LossSettings,
         clip_grad_norm: Optional[float],
         optimizer_in_bwd: bool,
+        critic_warmup_steps: int = 0,
     ) -> None:
         self.policy_model, self.value_model = policy_model, value_model
         self.optimizer, self.lr_scheduler, self.loss_step = optimizer, lr_scheduler, loss_step
@@ -131,6 +140,7 @@ class PPOUpdate:
         self._loss = loss
         self._max_norm = float("inf") if clip_grad_norm is None else float(clip_grad_norm)
         self._in_bwd = optimizer_in_bwd
+        self.critic_warmup_steps = critic_warmup_steps
         # Under FSDP the compiled step is split into frames at its hooks, and those frames
         # specialise any dynamic size: fixed shapes there, one graph either way.
         self._fixed_shapes = world > 1
@@ -212,6 +222,9 @@ class PPOUpdate:
         loss = torch.stack([s.loss for s in minibatch_stats]).sum()
         if self._in_bwd:  # stepped in backward, which ran only for a finite loss
             return bool(loss.isfinite())
+        if step <= self.critic_warmup_steps:  # torch optimizers skip a parameter whose grad is None
+            for p in self.policy_model.parameters():
+                p.grad = None
         params = chain(self.policy_model.parameters(), self.value_model.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=self._max_norm)
         if isinstance(grad_norm, torch.distributed.tensor.DTensor):  # sharded models: the global norm

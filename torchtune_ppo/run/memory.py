@@ -116,7 +116,8 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     parameter's at a time with ``optimizer_in_bwd``); optimizer state; the KV cache of
     ``forward_batch_size`` rows of ``P + T``; activations of one packed training micro-step,
     taken as ``16 * D`` bytes per token per layer (or ``2 * D`` with activation checkpointing)
-    plus the float32 logits kept for backward at the positions read, ``[rows * T, V]``.
+    plus the float32 logits kept for backward at the positions read, ``[rows * T, V]`` (twice
+    that with an entropy bonus, whose backward keeps the probabilities too).
 
     On ``W`` processes each device holds ``1/W`` of the trained models' parameters, gradients
     and optimizer state, the frozen models whole (``1/W`` with ``shard_frozen_models``), the KV
@@ -140,6 +141,7 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     embed_dim = policy.tok_embeddings.embedding_dim
     vocab = policy.tok_embeddings.num_embeddings
     per_token_layer = (2 if cfg.enable_activation_checkpointing else 16) * embed_dim
+    logit_copies = 2 if cfg.loss.get("entropy_coeff", 0) else 1
     layers = len(policy.layers) + len(value.layers)
     paged = optimizer_name.startswith(_PAGED_PREFIX)
     frozen = 1 / W if cfg.shard_frozen_models else 1.0  # share of a frozen model per device
@@ -161,7 +163,7 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
             _kv_bytes(policy, cfg.forward_batch_size // W, seq_len, dtype_bytes),
         f"activations (micro-step {rows_per_step} packed rows x {seq_len - 1} tokens)":
             rows_per_step * (seq_len - 1) * layers * per_token_layer * dtype_bytes
-            + rows_per_step * cfg.max_generated_tokens * vocab * 4,
+            + rows_per_step * cfg.max_generated_tokens * vocab * 4 * logit_copies,
     }
     if W > 1:
         compile_cfg = parse_compile(cfg.compile)

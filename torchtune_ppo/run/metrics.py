@@ -116,6 +116,8 @@ def step_metrics(
         "dualclip_frac": ppo.dualclip_frac,
         "ratios": ppo.ratios,
         "approx_policy_kl": ppo.approx_policy_kls,
+        "entropy": ppo.entropy,  # token mean, over the vocabulary, during the update
+        "kl_loss": ppo.kl_loss,  # token mean of the loss's KL estimate, during the update
         "response_lengths": trajectory.seq_lens.float().mean(),
         "tokens_per_second_per_gpu_trajectory": b * s / traj_time,
         "tokens_per_second_per_gpu_ppo": ppo_epochs * b * s / ppo_time if ppo_time else 0.0,
