@@ -1,8 +1,17 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Under pytest-xdist (the test command runs 2 workers on 2 cores) each worker and every process
+# it starts uses one thread: an OpenMP thread whose peer is descheduled spins waiting for it,
+# which made two 2-thread processes on 2 cores 30-70x slower here. The recipe's `cpu_threads:
+# auto` reads OMP_NUM_THREADS too.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 from torchtune.models.llama2 import llama2, llama2_classifier
 
 ROOT = Path(__file__).parents[1]

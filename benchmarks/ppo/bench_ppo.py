@@ -192,6 +192,8 @@ def smollm2_assets() -> "tuple[List[str], str]":
                          "`python tools/prepare_smollm2.py` (or set TORCHTUNE_PPO_SMOLLM2_DIR).")
     reward = [
         "reward=null",
+        # A reward model reads no reference answers (torchtune's collate would tensorize them).
+        "dataset.reference_column=null",
         "reward_checkpointer._component_=torchtune_ppo.models.ClassifierHFCheckpointer",
         f"reward_checkpointer.checkpoint_dir={folder}",
         "reward_checkpointer.checkpoint_files=[model.safetensors]",

@@ -34,7 +34,7 @@ OVERRIDES = [
 ]
 
 
-def _launch(output_dir: Path, nproc: int, *extra: str, timeout: int = 150) -> str:
+def _launch(output_dir: Path, nproc: int, *extra: str, timeout: int = 600) -> str:
     """Runs the recipe; returns its console output."""
     # --standalone: a free port for the rendezvous, not torchrun's fixed 29500, which another
     # run on the machine (or one that just ended, its socket still closing) may hold.
@@ -47,7 +47,7 @@ def _launch(output_dir: Path, nproc: int, *extra: str, timeout: int = 150) -> st
     return proc.stdout + proc.stderr
 
 
-def _run(output_dir: Path, nproc: int, *extra: str, timeout: int = 150):
+def _run(output_dir: Path, nproc: int, *extra: str, timeout: int = 600):
     _launch(output_dir, nproc, *extra, timeout=timeout)
     return read_disk_log(output_dir / "logs")
 

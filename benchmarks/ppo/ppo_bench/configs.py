@@ -74,6 +74,9 @@ def torchtune_config(ours: Dict[str, Any], args: argparse.Namespace) -> Dict[str
 
     # Keys a config leaves out take our default, which the row then states to torchtune too.
     cfg = {k: ours[k] if k in ours else defaults()[k] for k in same}
+    if cfg["metric_logger"] is None:  # ours then logs to <output_dir>/logs; torchtune's needs one
+        cfg["metric_logger"] = {"_component_": "torchtune.training.metric_logging.DiskLogger",
+                                "log_dir": f"{ours['output_dir']}/logs"}
     loss = ours.get("loss") or {}
     cfg.update(
         num_steps=(args.warmup + args.max_steps) * args.batch_size,  # torchtune counts samples
