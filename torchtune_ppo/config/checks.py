@@ -340,6 +340,7 @@ def _check_checkpoint_files(cfg: DictConfig) -> None:
 def _check_models(cfg: DictConfig) -> None:
     """Sequence length and vocabularies, read from the models built on the meta device."""
     models = {key: _meta_model(cfg[key]) for key in ("policy_model", "reward_and_value_model")}
+    _check_lora(cfg, models)
     if cfg.max_prompt_len is not None:
         check_sequence_length(cfg, cfg.max_prompt_len, models)
     vocab = _vocab_size(models["policy_model"])
@@ -359,6 +360,50 @@ def _check_models(cfg: DictConfig) -> None:
             f"policy_model's ({vocab}): the value and reward models read every token the "
             "policy writes, so they must share its tokenizer."
         )
+
+
+def _check_lora(cfg: DictConfig, models: Dict[str, torch.nn.Module]) -> None:
+    """What a LoRA policy (adapters in the meta-built ``policy_model``) asks of the rest."""
+    from torchtune_ppo import lora
+
+    if lora.has_adapters(models["reward_and_value_model"]):
+        raise ValueError(
+            f"reward_and_value_model ({cfg.reward_and_value_model._component_}) has LoRA layers: "
+            "LoRA on the value and reward models is not supported yet; use their plain builder "
+            "(the policy may be LoRA).")
+    if not lora.has_adapters(models["policy_model"]):
+        if cfg.ref_policy_checkpointer is None:
+            raise ValueError(
+                "config is missing ref_policy_checkpointer, the frozen reference policy's weights "
+                "(normally the same files as checkpointer's). Only a LoRA policy_model may leave it "
+                "out: its reference is its own base with the adapters off.")
+        return
+    try:
+        lora.lora_settings(models["policy_model"])
+    except ValueError as e:
+        raise ValueError(f"policy_model ({cfg.policy_model._component_}): {e}") from None
+    ref = cfg.ref_policy_checkpointer
+    if ref is not None and _checkpoint_files(ref, "ref_policy_checkpointer") != _checkpoint_files(
+            cfg.checkpointer, "checkpointer"):
+        raise ValueError(
+            f"ref_policy_checkpointer loads {_show(str(ref.get('checkpoint_dir')))}, not the policy's "
+            f"start {_show(str(cfg.checkpointer.checkpoint_dir))}: with a LoRA policy the reference is "
+            "the policy's own base (adapters off), so no other reference weights are read. Leave "
+            "ref_policy_checkpointer out, or use a plain policy_model builder.")
+    if parse_compile(cfg.compile).rollout:
+        raise ValueError(
+            "compile.rollout=True with a LoRA policy_model: the one region would need the adapters "
+            "on (generation) and off (reference) in one graph. Set compile.rollout=False; "
+            "compile.generate and compile.trajectory compile the same work without recompiles.")
+    if cfg.optimizer_in_bwd:
+        raise ValueError(
+            "optimizer_in_bwd=True with a LoRA policy_model: its point, never holding every "
+            "gradient, does not apply to adapters (a few MB). Set optimizer_in_bwd=False.")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ValueError(
+            f"a LoRA policy_model under torchrun (WORLD_SIZE={world}) is not supported yet; "
+            "run it on one process.")
 
 
 def cpu_threads(setting: Any) -> int:
