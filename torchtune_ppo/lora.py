@@ -38,6 +38,7 @@ from torchtune.modules.peft import (
 
 __all__ = [
     "LoraSettings",
+    "get_adapter_params",
     "adapter_state_dict",
     "adapters_off",
     "has_adapters",

@@ -386,8 +386,8 @@ def _check_lora(cfg: DictConfig, models: Dict[str, torch.nn.Module]) -> None:
     if ref is not None and _checkpoint_files(ref, "ref_policy_checkpointer") != _checkpoint_files(
             cfg.checkpointer, "checkpointer"):
         raise ValueError(
-            f"ref_policy_checkpointer loads {_show(str(ref.get('checkpoint_dir')))}, not the policy's "
-            f"start {_show(str(cfg.checkpointer.checkpoint_dir))}: with a LoRA policy the reference is "
+            f"ref_policy_checkpointer loads {str(ref.get('checkpoint_dir'))!r}, not the policy's "
+            f"start {str(cfg.checkpointer.checkpoint_dir)!r}: with a LoRA policy the reference is "
             "the policy's own base (adapters off), so no other reference weights are read. Leave "
             "ref_policy_checkpointer out, or use a plain policy_model builder.")
     if parse_compile(cfg.compile).rollout:
