@@ -151,13 +151,13 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             cfg.policy_model, "ref_policy_checkpointer", {}, trainable=False, cfg=cfg)
         self._value_model = self._setup_model(
             cfg.reward_and_value_model, "value_checkpointer", weights.get("value", {}), trainable=True, cfg=cfg,
-            resume_from=resume_from and (resume_from, "value"))
+            resume_from=resume_from and (resume_from, "value"), train_head=True)
         if cfg.reward is not None:
             return None
         return self._setup_model(cfg.reward_and_value_model, "reward_checkpointer", {}, trainable=False, cfg=cfg)
 
     def _setup_model(self, cfg_model: DictConfig, checkpointer_key: str, overrides: Dict, *,
-                     trainable: bool, cfg: DictConfig, resume_from=None) -> torch.nn.Module:
+                     trainable: bool, cfg: DictConfig, resume_from=None, train_head: bool = False) -> torch.nn.Module:
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model)
         adapters = lora.has_adapters(model)
@@ -168,9 +168,12 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         checkpointing.check_loaded_finite(state_dict, checkpointer_key)
         if adapters:
             lora.load_base(model, state_dict, checkpointer_key)
-            lora.train_adapters_only(model)
-            if resume_from:
-                lora.load_adapters(model, checkpointing.load_adapters(*resume_from), resume_from[0])
+            if not trainable:  # a reward model from a LoRA reward_and_value_model: its base
+                lora.adapters_off_for_good(model)
+            else:  # adapters, and a value model's head, train; the base stays frozen
+                lora.train_adapters_only(model, also=lora.head_names(model) if train_head else ())
+                if resume_from:
+                    lora.load_adapters(model, checkpointing.load_adapters(*resume_from), resume_from[0])
         else:
             model.load_state_dict(state_dict)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)

@@ -15,6 +15,12 @@ with ``lora_attn_modules``, ``apply_lora_to_mlp``, ``apply_lora_to_output``, ``l
   :func:`adapter_state_dict`, written by torchtune's HF checkpointer) and, at the end, the merged
   weights (:func:`merged_state_dict`).
 
+A ``reward_and_value_model`` built with a LoRA builder (``torchtune_ppo.models.lora_llama3_2_1b_classifier``,
+...) gives a value model that trains its adapters and its head (:func:`head_names`; saved beside
+the adapters, :func:`head_state_dict`) and a reward model whose adapters are off for good
+(:func:`adapters_off_for_good`: never switched, so no region sees them change). The two keep
+separate bases.
+
 The adapters' switch is a Python attribute (``LoRALinear.disabled``) that a compiled region
 guards on. Each region here always sees it the same way, so none recompiles: generation and the
 loss step run with the adapters on, the scoring region (which holds the reference forward) with
@@ -38,10 +44,13 @@ from torchtune.modules.peft import (
 
 __all__ = [
     "LoraSettings",
-    "get_adapter_params",
     "adapter_state_dict",
     "adapters_off",
+    "adapters_off_for_good",
+    "get_adapter_params",
     "has_adapters",
+    "head_names",
+    "head_state_dict",
     "load_adapters",
     "load_base",
     "lora_settings",
@@ -93,6 +102,19 @@ def lora_settings(model: nn.Module) -> LoraSettings:
     return LoraSettings(rank=rank, alpha=alpha, target_modules=targets)
 
 
+def head_names(model: nn.Module) -> List[str]:
+    """The parameters of ``model.output`` (a classifier's head, e.g. ``output.weight``)."""
+    return [f"output.{n}" for n, _ in model.output.named_parameters()]
+
+
+def adapters_off_for_good(model: nn.Module) -> None:
+    """Switches every adapter of a frozen ``model`` off once (a reward model built from a LoRA
+    ``reward_and_value_model``): it runs as its base, and no region ever sees the switch move."""
+    for module in model.modules():
+        if _is_adapter(module) and hasattr(module, "disabled"):
+            module.disabled = True
+
+
 def train_adapters_only(model: nn.Module, also: Sequence[str] = ()) -> List[str]:
     """Freezes every parameter of ``model`` but its adapters (and the parameters named in
     ``also``, e.g. a value head ``output.weight``); returns the trained names."""
@@ -118,7 +140,7 @@ def load_base(model: nn.Module, state_dict: Mapping[str, torch.Tensor], key: str
 
 
 def load_adapters(model: nn.Module, adapters: Mapping[str, torch.Tensor], source: str) -> None:
-    """Loads trained adapter (and head) weights saved by :func:`adapter_state_dict`.
+    """Loads trained weights saved by :func:`adapter_state_dict` and :func:`head_state_dict`.
 
     Raises:
         ValueError: naming ``source``, when the saved names are not exactly the model's trained ones.
@@ -132,9 +154,15 @@ def load_adapters(model: nn.Module, adapters: Mapping[str, torch.Tensor], source
 
 
 def adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The trained parameters of a LoRA ``model`` (adapters, and any head trained with them),
-    detached on the CPU, in torchtune's names."""
-    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+    """The adapter parameters of a LoRA ``model``, detached on the CPU, in torchtune's names."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in get_adapter_params(model).items()}
+
+
+def head_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The parameters trained whole beside the adapters (a value model's head), on the CPU."""
+    adapters = set(get_adapter_params(model))
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()
+            if p.requires_grad and n not in adapters}
 
 
 def merged_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:

@@ -16,14 +16,16 @@ from torchtune.training import FullModelHFCheckpointer
 import torchtune_ppo
 from torchtune_ppo import checkpointing, lora
 from torchtune_ppo.run.logs import read_disk_log
-from torchtune_ppo.tasks.tiny_sentiment import tiny_lora_policy
+from torchtune_ppo.tasks.tiny_sentiment import tiny_lora_policy, tiny_lora_reward, tiny_reward
 
 from conftest import ROOT, SMALL, TINY_CONFIG, TUNE
 
 LORA = ROOT / "recipes/configs/tiny/ppo_tiny_sentiment_lora.yaml"
 SAVE_EVERY_2 = ["save_every_n_steps=2", "keep_last_n_checkpoints=null"]
-# The LoRA config's layers: 4 layers x (4 attention + 3 MLP linears), an A and a B each.
+# The LoRA config's layers: 4 policy layers x (4 attention + 3 MLP linears), an A and a B
+# each; the value model's 2 layers likewise, and its head.
 NUM_ADAPTER_PARAMS = 4 * 7 * 2
+NUM_VALUE_ADAPTER_PARAMS = 2 * 7 * 2
 
 
 def _run(out, *overrides, config=LORA):
@@ -59,12 +61,12 @@ def test_first_step_is_the_full_models(runs):
     assert rows[0]["loss"] != full[0]["loss"]  # the updates differ: adapters only, another lr
 
 
-def test_only_adapters_and_the_value_model_are_in_the_optimizer(runs):
+def test_only_adapters_and_the_value_head_are_in_the_optimizer(runs):
     straight, *_ = runs
     state = checkpointing.load_training_state(_step(straight, 2))
-    value_params = len(load_file(_step(straight, 2) / "value" / "model-00001-of-00001.safetensors"))
     params = [p for group in state["optimizer"]["param_groups"] for p in group["params"]]
-    assert len(params) == len(state["optimizer"]["state"]) == NUM_ADAPTER_PARAMS + value_params
+    assert len(params) == len(state["optimizer"]["state"]) == NUM_ADAPTER_PARAMS + NUM_VALUE_ADAPTER_PARAMS + 1
+    assert load_file(_step(straight, 2) / "value" / "head.safetensors").keys() == {"output.weight"}
 
 
 def test_adapters_in_peft_layout_at_every_save_and_merged_weights_at_the_end(runs):
@@ -79,8 +81,11 @@ def test_adapters_in_peft_layout_at_every_save_and_merged_weights_at_the_end(run
         assert len(keys) == NUM_ADAPTER_PARAMS
         assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
         assert "base_model.model.model.layers.3.mlp.down_proj.lora_B.weight" in keys
-    assert not list((_step(straight, 2) / "policy").glob("model-*"))  # adapters only mid-run
-    assert (_step(straight, 4) / "policy" / "model-00001-of-00001.safetensors").is_file()
+    value_keys = load_file(_step(straight, 2) / "value" / "adapter_model.safetensors").keys()
+    assert len(value_keys) == NUM_VALUE_ADAPTER_PARAMS
+    for model in ("policy", "value"):
+        assert not list((_step(straight, 2) / model).glob("model-*"))  # adapters only mid-run
+        assert (_step(straight, 4) / model / "model-00001-of-00001.safetensors").is_file()
 
 
 def _adapted_policy(step_dir, tmp_path):
@@ -105,12 +110,34 @@ def test_merged_checkpoint_loads_in_transformers_with_the_adapted_logits(runs, t
                                                            dtype=torch.float32).eval()
     tokens = torch.randint(3, 512, (2, 20), generator=torch.Generator().manual_seed(0))
     adapted = model(tokens)
-    # Logits reach ~22 here; torchtune's and transformers' plain base models already differ by
-    # 1.1e-5 at that size (op order), so the bound is 1e-5 relative. A merge that lost the
-    # adapters would be off by the adapters' effect, checked to be far larger:
+    # Logits reach ~22 here, and torchtune's and transformers' plain base models already differ
+    # by up to 1.1e-5 on these tokens (op order; measured), so the bound is 3e-5. A merge that
+    # lost the adapters would be off by the adapters' effect, checked to be far larger:
     with lora.adapters_off(model):
         assert (model(tokens) - adapted).abs().max() > 1e-2
-    torch.testing.assert_close(hf(tokens).logits, adapted, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hf(tokens).logits, adapted, atol=3e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_merged_value_model_is_the_adapted_one(runs, tmp_path):
+    straight, *_ = runs
+    step = _step(straight, 4)
+    base = FullModelHFCheckpointer(
+        checkpoint_dir=torchtune_ppo.asset_path("tiny_sentiment/reward"), checkpoint_files=["model.safetensors"],
+        model_type="REWARD", output_dir=str(tmp_path / "a")).load_checkpoint()[training.MODEL_KEY]
+    adapted = tiny_lora_reward(["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True)
+    lora.load_base(adapted, base, "base")
+    lora.train_adapters_only(adapted, also=lora.head_names(adapted))
+    lora.load_adapters(adapted, checkpointing.load_adapters(step, "value"), str(step))
+    merged = FullModelHFCheckpointer(
+        checkpoint_dir=str(step / "value"), checkpoint_files=["model-00001-of-00001.safetensors"],
+        model_type="REWARD", output_dir=str(tmp_path / "b")).load_checkpoint()[training.MODEL_KEY]
+    plain = tiny_reward()
+    plain.load_state_dict(merged)
+    tokens = torch.randint(3, 512, (2, 20), generator=torch.Generator().manual_seed(0))
+    values = adapted.eval()(tokens)
+    assert not torch.equal(merged["output.weight"], base["output.weight"])  # the head trained
+    torch.testing.assert_close(plain.eval()(tokens), values, atol=1e-5, rtol=1e-5)
 
 
 def test_resume_from_the_adapter_checkpoint_repeats_the_uninterrupted_run(runs):
@@ -120,10 +147,10 @@ def test_resume_from_the_adapter_checkpoint_repeats_the_uninterrupted_run(runs):
         for key, value in rows[step - 1].items():
             if not key.startswith("time/") and "per_second" not in key:
                 assert row[key] == value, (step, key)
-    for n in (2, 4):
-        a = checkpointing.load_adapters(_step(resumed, n), "policy")
-        b = checkpointing.load_adapters(_step(straight, n), "policy")
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), n
+    for n, model in [(2, "policy"), (4, "policy"), (2, "value"), (4, "value")]:
+        a = checkpointing.load_adapters(_step(resumed, n), model)
+        b = checkpointing.load_adapters(_step(straight, n), model)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (n, model)
     # save_adapter_weights_only: no merged weights, not even at the end
     assert not list((_step(resumed, 4) / "policy").glob("model-*"))
 

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 import torchtune_ppo  # noqa: F401  registers the config resolvers
 from torchtune_ppo.config import validate_config
 from torchtune_ppo.run import memory
-from torchtune_ppo.tasks.tiny_sentiment import REWARD_DIMS, tiny_lora_policy, tiny_policy, tiny_reward
+from torchtune_ppo.tasks.tiny_sentiment import tiny_lora_policy, tiny_lora_reward, tiny_policy, tiny_reward
 
 CONFIGS = Path(__file__).parents[2] / "recipes/configs/tiny"
 LORA = CONFIGS / "ppo_tiny_sentiment_lora.yaml"
@@ -47,13 +47,18 @@ def test_what_a_lora_policy_cannot_have(overrides, pattern):
         validate_config(_cfg(LORA, *overrides))
 
 
-def test_lora_on_the_value_model_is_refused_by_name():
+def test_a_lora_value_model_is_valid_and_planned_with_adapter_gradients():
     cfg = _cfg()
-    cfg.reward_and_value_model = {"_component_": "torchtune.models.llama2.lora_llama2_classifier",
-                                  "lora_attn_modules": ["q_proj"], "num_classes": 1, "lora_rank": 4,
-                                  "lora_alpha": 8, **REWARD_DIMS}
-    with pytest.raises(ValueError, match=r"reward_and_value_model \(torchtune.models.llama2.lora_llama2_classifier\)"):
-        validate_config(cfg)
+    cfg.reward_and_value_model = {"_component_": "torchtune_ppo.tasks.tiny_sentiment.tiny_lora_reward",
+                                  "lora_attn_modules": ["q_proj", "v_proj"], "lora_rank": 4, "lora_alpha": 8}
+    plan = memory.memory_plan(validate_config(cfg))
+    value = tiny_lora_reward(["q_proj", "v_proj"], lora_rank=4, lora_alpha=8)
+    policy = tiny_lora_policy(["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True)
+    trained = sum(p.numel() for n, p in [*policy.named_parameters(), *value.named_parameters()]
+                  if "lora_" in n) + value.output.weight.numel()
+    rows = list(plan.rows.values())
+    assert rows[2] == trained * 4 and rows[3] == 2 * trained * 4
+    assert "value adapters + head" in list(plan.rows)[2]
 
 
 def test_lora_under_torchrun_is_refused(monkeypatch):

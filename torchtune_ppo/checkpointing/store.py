@@ -10,7 +10,8 @@ an ignored temporary folder::
                                  for a LoRA policy its adapters in PEFT's layout
                                  (adapter_model.safetensors, adapter_config.json; adapter_model.pt
                                  in torchtune's names, read on resume), and the merged weights
-                                 only where the recipe asks (the run's last save)
+                                 only where the recipe asks (the run's last save); a LoRA
+                                 value model's head beside them (head.safetensors)
             value/               same, for the value model (model_type of its checkpointer, e.g. REWARD)
             training_state.pt    the dict the recipe passes: optimizer, counters, data position, RNG
             config.yaml          the run's resolved config (checked on resume: resume_config.py)
@@ -69,8 +70,10 @@ _TMP_PID_RE = re.compile(r"^\.tmp_.*_(\d+)$")
 # Weight files torchtune's HF writer produces: model-00001-of-00003.safetensors (or .bin).
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.(safetensors|bin)$")
 # Adapter files torchtune's HF writer produces (PEFT layout, and torchtune's names in the .pt).
-_ADAPTER_RE = re.compile(r"^adapter_(model|config)\.(safetensors|bin|pt|json)$")
+_ADAPTER_RE = re.compile(r"^(adapter_(model|config)\.(safetensors|bin|pt|json)|head\.safetensors)$")
 ADAPTER_PT_FNAME = "adapter_model.pt"
+# A LoRA value model's head, trained whole beside its adapters, in torchtune's names.
+HEAD_FNAME = "head.safetensors"
 _MAX_NAMES = 5  # parameter names listed in a non-finite error
 
 # Test hook: when TORCHTUNE_PPO_CRASH_DURING_SAVE names a point of `CheckpointManager.save`
@@ -151,7 +154,8 @@ class CheckpointManager:
         value_state_dict: Mapping[str, torch.Tensor],
         training_state: Dict[str, Any],
         run_config: Optional[Mapping[str, Any]] = None,
-        adapters: Optional[Mapping[str, Tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]]] = None,
+        adapters: Optional[Mapping[str, Tuple[Mapping[str, torch.Tensor], Mapping[str, Any],
+                                              Mapping[str, torch.Tensor]]]] = None,
     ) -> Path:
         """Write one complete checkpoint of ``step``, then prune older ones.
 
@@ -169,8 +173,9 @@ class CheckpointManager:
             run_config (Optional[Mapping[str, Any]]): the run's resolved config, written to
                 ``config.yaml`` (checked on resume by :mod:`.resume_config`).
             adapters (Optional[Mapping]): for a LoRA model, by name (``policy``, ``value``): its
-                trained adapter state dict in torchtune's names and the adapter config
-                (:func:`torchtune_ppo.lora.peft_adapter_config`), written in PEFT's layout. Its
+                adapter state dict in torchtune's names, the adapter config
+                (:func:`torchtune_ppo.lora.peft_adapter_config`), both written in PEFT's layout,
+                and the parameters trained whole beside them (a value head; may be empty). Its
                 state dict above may then be None (adapters only) or the merged weights.
 
         Returns:
@@ -195,7 +200,7 @@ class CheckpointManager:
             if sd is None and name not in adapters:
                 raise ValueError(f"save: no {name} weights and no {name} adapters to write.")
         _check_finite({**{k: v for k, v in weights.items() if v is not None},
-                       **{f"{k} adapters": v[0] for k, v in adapters.items()}})
+                       **{f"{k} adapters": {**v[0], **v[2]} for k, v in adapters.items()}})
 
         tmp = self.root / f"{_TMP_PREFIX}step_{step}_{os.getpid()}"
         try:
@@ -235,7 +240,8 @@ class CheckpointManager:
         return final
 
     def _write_hf(self, name: str, state_dict: Optional[Mapping[str, torch.Tensor]], step: int, tmp: Path,
-                  adapter: Optional[Tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]] = None) -> None:
+                  adapter: Optional[Tuple[Mapping[str, torch.Tensor], Mapping[str, Any],
+                                          Mapping[str, torch.Tensor]]] = None) -> None:
         """Write ``tmp/<name>/`` with torchtune's HF writer: the weights, and the adapters in
         PEFT's layout when ``adapter`` (state dict, config) is given.
 
@@ -257,6 +263,11 @@ class CheckpointManager:
             payload[training.ADAPTER_CONFIG] = dict(adapter[1])
         writer.save_checkpoint(payload, epoch=step, adapter_only=state_dict is None)
         os.rename(scratch / f"epoch_{step}", tmp / name)
+        if adapter is not None and adapter[2]:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in adapter[2].items()}, str(tmp / name / HEAD_FNAME),
+                      metadata={"format": "pt"})
         shutil.rmtree(scratch)
 
     def _clean_tmp(self) -> None:
@@ -663,7 +674,7 @@ def checkpointer_overrides(checkpoint: Union[str, Path]) -> Dict[str, Dict[str, 
 def load_adapters(checkpoint: Union[str, Path], name: str) -> Dict[str, torch.Tensor]:
     """The trained adapter weights of model ``name`` saved in a complete checkpoint, in
     torchtune's names (``adapter_model.pt``; the PEFT-layout safetensors beside it hold the same
-    tensors in Hugging Face's names), on the CPU.
+    tensors in Hugging Face's names), with a value model's head (``head.safetensors``), on the CPU.
 
     Raises:
         ValueError: ``checkpoint`` is not complete.
@@ -675,7 +686,13 @@ def load_adapters(checkpoint: Union[str, Path], name: str) -> Dict[str, torch.Te
         raise FileNotFoundError(
             f"{path} not found: {checkpoint} holds no {name} adapters, so it was saved by a run "
             f"whose {name} had no LoRA layers; resume it with that run's model builder.")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    head = checkpoint / name / HEAD_FNAME
+    if head.is_file():
+        from safetensors.torch import load_file
+
+        state.update(load_file(str(head)))
+    return state
 
 
 # ----------------------------------------------------------------------------- recipe helpers

@@ -132,7 +132,7 @@ class CheckpointClient:
             state["rng_per_rank"] = distributed.all_gather_objects(state["rng"])
         # The random states in "rng" are rank 0's: a resume on another number of ranks draws
         # different samples.
-        adapters = {name: (lora.adapter_state_dict(m), lora.peft_adapter_config(m))
+        adapters = {name: (lora.adapter_state_dict(m), lora.peft_adapter_config(m), lora.head_state_dict(m))
                     for name, m in self.models.items() if lora.has_adapters(m)}
         merge = final and self.merge_adapters_at_end
         weights = {name: (lora.merged_state_dict(m) if merge else None) if name in adapters

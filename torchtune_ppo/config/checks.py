@@ -363,25 +363,34 @@ def _check_models(cfg: DictConfig) -> None:
 
 
 def _check_lora(cfg: DictConfig, models: Dict[str, torch.nn.Module]) -> None:
-    """What a LoRA policy (adapters in the meta-built ``policy_model``) asks of the rest."""
+    """What LoRA models (adapters in the meta-built ``policy_model`` or
+    ``reward_and_value_model``) ask of the other keys."""
     from torchtune_ppo import lora
 
-    if lora.has_adapters(models["reward_and_value_model"]):
+    adapted = [key for key in ("policy_model", "reward_and_value_model") if lora.has_adapters(models[key])]
+    for key in adapted:
+        try:
+            lora.lora_settings(models[key])
+        except ValueError as e:
+            raise ValueError(f"{key} ({cfg[key]._component_}): {e}") from None
+    if "policy_model" not in adapted and cfg.ref_policy_checkpointer is None:
         raise ValueError(
-            f"reward_and_value_model ({cfg.reward_and_value_model._component_}) has LoRA layers: "
-            "LoRA on the value and reward models is not supported yet; use their plain builder "
-            "(the policy may be LoRA).")
-    if not lora.has_adapters(models["policy_model"]):
-        if cfg.ref_policy_checkpointer is None:
-            raise ValueError(
-                "config is missing ref_policy_checkpointer, the frozen reference policy's weights "
-                "(normally the same files as checkpointer's). Only a LoRA policy_model may leave it "
-                "out: its reference is its own base with the adapters off.")
+            "config is missing ref_policy_checkpointer, the frozen reference policy's weights "
+            "(normally the same files as checkpointer's). Only a LoRA policy_model may leave it "
+            "out: its reference is its own base with the adapters off.")
+    if not adapted:
         return
-    try:
-        lora.lora_settings(models["policy_model"])
-    except ValueError as e:
-        raise ValueError(f"policy_model ({cfg.policy_model._component_}): {e}") from None
+    if cfg.optimizer_in_bwd:
+        raise ValueError(
+            f"optimizer_in_bwd=True with a LoRA {' and '.join(adapted)}: its point, never holding "
+            "every gradient, does not apply to adapters (a few MB). Set optimizer_in_bwd=False.")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ValueError(
+            f"a LoRA {' and '.join(adapted)} under torchrun (WORLD_SIZE={world}) is not supported "
+            "yet; run it on one process.")
+    if "policy_model" not in adapted:
+        return
     ref = cfg.ref_policy_checkpointer
     if ref is not None and _checkpoint_files(ref, "ref_policy_checkpointer") != _checkpoint_files(
             cfg.checkpointer, "checkpointer"):
@@ -395,15 +404,6 @@ def _check_lora(cfg: DictConfig, models: Dict[str, torch.nn.Module]) -> None:
             "compile.rollout=True with a LoRA policy_model: the one region would need the adapters "
             "on (generation) and off (reference) in one graph. Set compile.rollout=False; "
             "compile.generate and compile.trajectory compile the same work without recompiles.")
-    if cfg.optimizer_in_bwd:
-        raise ValueError(
-            "optimizer_in_bwd=True with a LoRA policy_model: its point, never holding every "
-            "gradient, does not apply to adapters (a few MB). Set optimizer_in_bwd=False.")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ValueError(
-            f"a LoRA policy_model under torchrun (WORLD_SIZE={world}) is not supported yet; "
-            "run it on one process.")
 
 
 def cpu_threads(setting: Any) -> int:
