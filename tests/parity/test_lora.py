@@ -134,3 +134,36 @@ def test_fused_rollout_is_refused_for_a_lora_reference():
     with pytest.raises(ValueError, match="compile.rollout"):
         Rollout(gen, model, tiny_classifier(1), ModelReward(tiny_classifier(2)), STOP, SETTINGS, fused,
                 reference=lambda: lora.adapters_off(model))
+
+
+def test_classifier_checkpointer_writes_adapters_like_torchtunes(tmp_path):
+    """A LoRA value model saved through ClassifierHFCheckpointer: the same adapter files, names
+    and config as torchtune's FullModelHFCheckpointer writes for the same adapters."""
+    import json
+
+    from safetensors.torch import load_file
+    from torchtune import training
+    from torchtune.training import FullModelHFCheckpointer
+
+    import torchtune_ppo
+    from torchtune_ppo.models import ClassifierHFCheckpointer
+    from torchtune_ppo.tasks.tiny_sentiment import tiny_lora_reward
+
+    source = torchtune_ppo.asset_path("tiny_sentiment/reward")
+    ours = ClassifierHFCheckpointer(checkpoint_dir=source, checkpoint_files=["model.safetensors"],
+                                    model_type="LLAMA2", output_dir=str(tmp_path / "ours"))
+    model = tiny_lora_reward(["q_proj", "v_proj"], apply_lora_to_mlp=True)
+    lora.load_base(model, ours.load_checkpoint()[training.MODEL_KEY], "value_checkpointer")
+    payload = lambda: {training.MODEL_KEY: {}, training.ADAPTER_KEY: lora.adapter_state_dict(model),  # noqa: E731
+                       training.ADAPTER_CONFIG: lora.peft_adapter_config(model)}
+    ours.save_checkpoint(payload(), epoch=1, adapter_only=True)
+    theirs = FullModelHFCheckpointer(checkpoint_dir=source, checkpoint_files=["model.safetensors"],
+                                     model_type="REWARD", output_dir=str(tmp_path / "theirs"))
+    theirs.save_checkpoint(payload(), epoch=1, adapter_only=True)
+    a, b = tmp_path / "ours" / "epoch_1", tmp_path / "theirs" / "epoch_1"
+    assert not list(a.glob("model-*"))
+    sa, sb = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert json.loads((a / "adapter_config.json").read_text()) == json.loads((b / "adapter_config.json").read_text())
+    pa = torch.load(a / "adapter_model.pt", weights_only=True)
+    assert pa.keys() == lora.adapter_state_dict(model).keys()

@@ -284,7 +284,9 @@ SCHEMA: Tuple[Key, ...] = (
         "`apply_lora_to_output`, `lora_rank`, `lora_alpha`) trains adapters only and makes the "
         "reference the same model with its adapters off; see [LoRA](#lora)"),
     Key("reward_and_value_model", Component(), REQUIRED,
-        "builder of the reward model and the value model (one output)"),
+        "builder of the reward model and the value model (one output); a LoRA builder (e.g. "
+        "`torchtune_ppo.models.lora_llama3_2_1b_classifier`) makes the value model train its adapters "
+        "and head, and the reward model run with its adapters off; see [LoRA](#lora)"),
     Key("checkpointer", Component(), REQUIRED,
         "checkpointer of the trained policy: loads its start weights, saves it"),
     Key("ref_policy_checkpointer", Component(optional=True), None,
@@ -394,7 +396,7 @@ SCHEMA: Tuple[Key, ...] = (
     Key("keep_last_n_checkpoints", Count(optional=True), None,
         "keep only the newest N complete checkpoints, so long runs fit on disk; null keeps all"),
     Key("save_adapter_weights_only", Bool(), False,
-        "LoRA policy: every checkpoint holds its adapters (PEFT layout); the run's last one also "
+        "LoRA models: every checkpoint holds their adapters (PEFT layout); the run's last one also "
         "the merged full weights (HF format) unless this is true (torchtune's key)"),
     Key("resume_from_checkpoint", Bool(), False,
         "continue from the newest complete checkpoint in `output_dir`"),
