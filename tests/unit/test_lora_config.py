@@ -68,7 +68,9 @@ def test_lora_under_torchrun_is_refused(monkeypatch):
 
 
 def test_memory_plan_counts_one_policy_copy_and_adapter_gradients_only():
-    full, lora = memory.memory_plan(validate_config(_cfg(FULL))), memory.memory_plan(validate_config(_cfg()))
+    policy_only = _cfg()  # LoRA on the policy, the value model fully trained
+    policy_only.reward_and_value_model = {"_component_": "torchtune_ppo.tasks.tiny_sentiment.tiny_reward"}
+    full, lora = memory.memory_plan(validate_config(_cfg(FULL))), memory.memory_plan(validate_config(policy_only))
     n_base = sum(p.numel() for p in tiny_policy().parameters())
     model = tiny_lora_policy(["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True)
     n_adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)

@@ -138,7 +138,8 @@ class CheckpointClient:
         weights = {name: (lora.merged_state_dict(m) if merge else None) if name in adapters
                    else distributed.full_state_dict(m) for name, m in self.models.items()}
         if distributed.rank() == 0:
-            self.manager.save(step, weights["policy"], weights["value"], state, self.run_config, adapters=adapters)
+            extra = {"adapters": adapters} if adapters else {}
+            self.manager.save(step, weights["policy"], weights["value"], state, self.run_config, **extra)
         distributed.barrier()
         return str(self.manager.root / f"step_{int(step)}")
 
