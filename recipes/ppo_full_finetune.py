@@ -166,14 +166,10 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
         checkpointing.check_shapes(model, state_dict, checkpointer_key)
         checkpointing.check_loaded_finite(state_dict, checkpointer_key)
-        if adapters:
-            lora.load_base(model, state_dict, checkpointer_key)
-            if not trainable:  # a reward model from a LoRA reward_and_value_model: its base
-                lora.adapters_off_for_good(model)
-            else:  # adapters, and a value model's head, train; the base stays frozen
-                lora.train_adapters_only(model, also=lora.head_names(model) if train_head else ())
-                if resume_from:
-                    lora.load_adapters(model, checkpointing.load_adapters(*resume_from), resume_from[0])
+        if adapters:  # the base frozen; the adapters (and a value head) train, or stay off for good
+            saved = (checkpointing.load_adapters(*resume_from), resume_from[0]) if trainable and resume_from else None
+            lora.setup_lora_model(model, state_dict, checkpointer_key, trainable=trainable, train_head=train_head,
+                                  saved=saved)
         else:
             model.load_state_dict(state_dict)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)

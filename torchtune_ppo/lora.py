@@ -30,7 +30,7 @@ scoring, would need both states in one graph and is refused for a LoRA policy.
 """
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -56,6 +56,7 @@ __all__ = [
     "lora_settings",
     "merged_state_dict",
     "peft_adapter_config",
+    "setup_lora_model",
     "train_adapters_only",
 ]
 
@@ -137,6 +138,30 @@ def load_base(model: nn.Module, state_dict: Mapping[str, torch.Tensor], key: str
     if missing or result.unexpected_keys:
         raise ValueError(f"{key}: the checkpoint does not fit the LoRA model: missing "
                          f"{missing[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}.")
+
+
+def setup_lora_model(model: nn.Module, base: Mapping[str, torch.Tensor], key: str, *, trainable: bool,
+                     train_head: bool = False, saved: Optional[Tuple[Mapping[str, torch.Tensor], str]] = None) -> None:
+    """Loads and freezes a model built with a LoRA builder, as the recipe uses it.
+
+    Args:
+        model (nn.Module): the LoRA model, built.
+        base (Mapping[str, torch.Tensor]): its checkpointer's (adapter-free) state dict.
+        key (str): that checkpointer's config key, named in errors.
+        trainable (bool): the policy or value model: its adapters (and, with ``train_head``, its
+            head) train, the base is frozen. Else a frozen model (the reward model built from a
+            LoRA ``reward_and_value_model``): its adapters are switched off for good.
+        train_head (bool): train ``model.output`` whole (a value model's head).
+        saved (Optional[Tuple[Mapping, str]]): trained adapters to resume from and where they
+            were read (:func:`torchtune_ppo.checkpointing.load_adapters`).
+    """
+    load_base(model, base, key)
+    if not trainable:
+        adapters_off_for_good(model)
+        return
+    train_adapters_only(model, also=head_names(model) if train_head else ())
+    if saved is not None:
+        load_adapters(model, *saved)
 
 
 def load_adapters(model: nn.Module, adapters: Mapping[str, torch.Tensor], source: str) -> None:
