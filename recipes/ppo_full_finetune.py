@@ -18,7 +18,6 @@ rules that keep the compiled regions, FSDP and resumption correct.
 """
 
 import sys
-from itertools import chain
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -28,7 +27,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.metric_logging import DiskLogger
 from tqdm import tqdm
 
-from torchtune_ppo import checkpointing, compile as compiling, distributed
+from torchtune_ppo import checkpointing, compile as compiling, distributed, lora
 from torchtune_ppo.config import (
     check_cli_overrides,
     check_sequence_length,
@@ -64,7 +63,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
 
     Each model is loaded through the torchtune checkpointer named in the config; the value
     model starts from the reward model's checkpoint (or the policy's, see ``value_head_init``).
-    See the README for every config key.
+    A policy built with a LoRA builder trains its adapters only, and the reference policy is
+    that same model with its adapters off (README, "LoRA"). See the README for every config key.
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -128,7 +128,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                                                   keep_last_n=cfg.keep_last_n_checkpoints)
         self._checkpoints = checkpointing.CheckpointClient(
             manager, models, self._update.optimizer, self._update.lr_scheduler, self._skipped, [self._rng],
-            run_config=checkpointing.config_to_save(cfg), kl_controller=self._kl)
+            run_config=checkpointing.config_to_save(cfg), kl_controller=self._kl,
+            merge_adapters_at_end=not cfg.save_adapter_weights_only)
         self._step = StepInProgress(self._checkpoints.capture_rng)
         self._profiler = (training.setup_torch_profiler(enabled=False)[0] if cfg.profiler is None
                           else config.instantiate(cfg.profiler)[0])
@@ -145,24 +146,34 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         reward model, or None for a function reward."""
         weights = checkpointing.checkpointer_overrides(resume_from) if resume_from else {}
         self._policy_model = self._setup_model(
-            cfg.policy_model, "checkpointer", weights.get("policy", {}), trainable=True, cfg=cfg)
-        self._ref_policy_model = self._setup_model(
+            cfg.policy_model, "checkpointer", weights.get("policy", {}), trainable=True, cfg=cfg,
+            resume_from=resume_from and (resume_from, "policy"))
+        # LoRA: the reference is the policy's frozen base, its adapters off while it scores.
+        self._ref_policy_model = self._policy_model if lora.has_adapters(self._policy_model) else self._setup_model(
             cfg.policy_model, "ref_policy_checkpointer", {}, trainable=False, cfg=cfg)
         self._value_model = self._setup_model(
-            cfg.reward_and_value_model, "value_checkpointer", weights.get("value", {}), trainable=True, cfg=cfg)
+            cfg.reward_and_value_model, "value_checkpointer", weights.get("value", {}), trainable=True, cfg=cfg,
+            resume_from=resume_from and (resume_from, "value"), train_head=True)
         if cfg.reward is not None:
             return None
         return self._setup_model(cfg.reward_and_value_model, "reward_checkpointer", {}, trainable=False, cfg=cfg)
 
     def _setup_model(self, cfg_model: DictConfig, checkpointer_key: str, overrides: Dict, *,
-                     trainable: bool, cfg: DictConfig) -> torch.nn.Module:
-        checkpointer = config.instantiate(cfg[checkpointer_key], **overrides)
-        state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
+                     trainable: bool, cfg: DictConfig, resume_from=None, train_head: bool = False) -> torch.nn.Module:
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model)
+        adapters = lora.has_adapters(model)
+        # A LoRA model's base always comes from its own checkpointer; a resume adds the adapters.
+        checkpointer = config.instantiate(cfg[checkpointer_key], **({} if adapters else overrides))
+        state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
         checkpointing.check_shapes(model, state_dict, checkpointer_key)
         checkpointing.check_loaded_finite(state_dict, checkpointer_key)
-        model.load_state_dict(state_dict)
+        if adapters:  # the base frozen; the adapters (and a value head) train, or stay off for good
+            saved = (checkpointing.load_adapters(*resume_from), resume_from[0]) if trainable and resume_from else None
+            lora.setup_lora_model(model, state_dict, checkpointer_key, trainable=trainable, train_head=train_head,
+                                  saved=saved)
+        else:
+            model.load_state_dict(state_dict)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
         # Dropout would make the trajectory's logprobs disagree with the loss step's.
         training.disable_dropout(model)
@@ -200,13 +211,17 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             reward_penalty=float(cfg.reward_penalty),
         )
         stop_token_ids = torch.tensor(list(cfg.stop_token_ids), device=self._device)
+        reference = None  # a separate frozen model; for a LoRA policy, the policy with adapters off
+        if self._ref_policy_model is self._policy_model:
+            reference = lambda: lora.adapters_off(self._policy_model)  # noqa: E731
         return Rollout(generator, self._ref_policy_model, self._value_model, reward, stop_token_ids,
-                       settings, regions)
+                       settings, regions, reference=reference)
 
     def _setup_update(self, cfg: DictConfig, loss_step: Callable) -> PPOUpdate:
         models = {"policy": self._policy_model, "value": self._value_model}
         optimizer = (InBackwardOptimizer(cfg.optimizer, models) if cfg.optimizer_in_bwd else
-                     build_optimizer(cfg.optimizer, chain(*(m.parameters() for m in models.values()))))
+                     build_optimizer(cfg.optimizer, [p for m in models.values() for p in m.parameters()
+                                                     if p.requires_grad]))  # LoRA: adapters only
         lr_scheduler = None
         if cfg.lr_scheduler is not None:  # torchtune's schedulers count optimizer steps
             steps = self._num_steps * num_updates(cfg.batch_size, cfg.ppo_batch_size, cfg.ppo_epochs)
@@ -372,7 +387,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         """Write ``<output_dir>/checkpoints/step_<step>``: policy and value in HF format and the
         training state (optimizer, counters, data position, random states), atomically."""
         self._checkpoints.save(step, {"steps_run": self.steps_run, "epochs_run": self.epochs_run,
-                                      "batches_run_in_epoch": self._batches_run_in_epoch})
+                                      "batches_run_in_epoch": self._batches_run_in_epoch},
+                               final=self.steps_run == self._num_steps)
         self._last_saved_step = step
 
     def _save_after_failure(self, rng) -> str:

@@ -18,6 +18,7 @@ from torchtune_ppo.checkpointing.store import (  # noqa: F401
     checkpointer_overrides,
     existing_checkpoints,
     latest_checkpoint,
+    load_adapters,
     load_training_state,
 )
 from torchtune_ppo.checkpointing.resume_config import (  # noqa: F401
@@ -39,5 +40,5 @@ __all__ = [
     "CONFIG_FNAME", "DamagedCheckpointError", "NonFiniteWeightsError", "ResumeConfigError",
     "apply_optimizer_overrides", "capture_rng_state", "check_loaded_finite", "check_resume_config",
     "check_shapes", "check_writable", "config_to_save", "checkpoint_to_resume", "checkpointer_overrides",
-    "existing_checkpoints", "latest_checkpoint", "load_training_state", "restore_rng_state",
+    "existing_checkpoints", "latest_checkpoint", "load_adapters", "load_training_state", "restore_rng_state",
 ]

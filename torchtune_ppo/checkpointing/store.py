@@ -6,7 +6,12 @@ an ignored temporary folder::
 
     <output_dir>/checkpoints/
         step_<N>/
-            policy/              Hugging Face format, written by torchtune's FullModelHFCheckpointer
+            policy/              Hugging Face format, written by torchtune's FullModelHFCheckpointer;
+                                 for a LoRA policy its adapters in PEFT's layout
+                                 (adapter_model.safetensors, adapter_config.json; adapter_model.pt
+                                 in torchtune's names, read on resume), and the merged weights
+                                 only where the recipe asks (the run's last save); a LoRA
+                                 value model's head beside them (head.safetensors)
             value/               same, for the value model (model_type of its checkpointer, e.g. REWARD)
             training_state.pt    the dict the recipe passes: optimizer, counters, data position, RNG
             config.yaml          the run's resolved config (checked on resume: resume_config.py)
@@ -64,6 +69,11 @@ _TMP_PREFIX = ".tmp_"
 _TMP_PID_RE = re.compile(r"^\.tmp_.*_(\d+)$")
 # Weight files torchtune's HF writer produces: model-00001-of-00003.safetensors (or .bin).
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.(safetensors|bin)$")
+# Adapter files torchtune's HF writer produces (PEFT layout, and torchtune's names in the .pt).
+_ADAPTER_RE = re.compile(r"^(adapter_(model|config)\.(safetensors|bin|pt|json)|head\.safetensors)$")
+ADAPTER_PT_FNAME = "adapter_model.pt"
+# A LoRA value model's head, trained whole beside its adapters, in torchtune's names.
+HEAD_FNAME = "head.safetensors"
 _MAX_NAMES = 5  # parameter names listed in a non-finite error
 
 # Test hook: when TORCHTUNE_PPO_CRASH_DURING_SAVE names a point of `CheckpointManager.save`
@@ -144,6 +154,8 @@ class CheckpointManager:
         value_state_dict: Mapping[str, torch.Tensor],
         training_state: Dict[str, Any],
         run_config: Optional[Mapping[str, Any]] = None,
+        adapters: Optional[Mapping[str, Tuple[Mapping[str, torch.Tensor], Mapping[str, Any],
+                                              Mapping[str, torch.Tensor]]]] = None,
     ) -> Path:
         """Write one complete checkpoint of ``step``, then prune older ones.
 
@@ -160,6 +172,11 @@ class CheckpointManager:
                 from :func:`capture_rng_state`).
             run_config (Optional[Mapping[str, Any]]): the run's resolved config, written to
                 ``config.yaml`` (checked on resume by :mod:`.resume_config`).
+            adapters (Optional[Mapping]): for a LoRA model, by name (``policy``, ``value``): its
+                adapter state dict in torchtune's names, the adapter config
+                (:func:`torchtune_ppo.lora.peft_adapter_config`), both written in PEFT's layout,
+                and the parameters trained whole beside them (a value head; may be empty). Its
+                state dict above may then be None (adapters only) or the merged weights.
 
         Returns:
             Path: the completed ``<output_dir>/checkpoints/step_<step>``.
@@ -177,7 +194,13 @@ class CheckpointManager:
             raise CheckpointExistsError(
                 f"Checkpoint {final} is already complete; refusing to overwrite it"
             )
-        _check_finite({"policy": policy_state_dict, "value": value_state_dict})
+        adapters = dict(adapters or {})
+        weights = {"policy": policy_state_dict, "value": value_state_dict}
+        for name, sd in weights.items():
+            if sd is None and name not in adapters:
+                raise ValueError(f"save: no {name} weights and no {name} adapters to write.")
+        _check_finite({**{k: v for k, v in weights.items() if v is not None},
+                       **{f"{k} adapters": {**v[0], **v[2]} for k, v in adapters.items()}})
 
         tmp = self.root / f"{_TMP_PREFIX}step_{step}_{os.getpid()}"
         try:
@@ -188,8 +211,8 @@ class CheckpointManager:
         except OSError as e:
             raise _write_error(e, final, self.root) from e
         try:
-            for name, sd in (("policy", policy_state_dict), ("value", value_state_dict)):
-                self._write_hf(name, sd, step, tmp)
+            for name, sd in weights.items():
+                self._write_hf(name, sd, step, tmp, adapters.get(name))
                 _maybe_crash(f"after_{name}")
             _write_training_state(training_state, tmp / TRAINING_STATE_FNAME)
             if run_config is not None:
@@ -216,8 +239,11 @@ class CheckpointManager:
             self._prune(keep=final)
         return final
 
-    def _write_hf(self, name: str, state_dict: Mapping[str, torch.Tensor], step: int, tmp: Path) -> None:
-        """Write ``tmp/<name>/`` with torchtune's HF writer.
+    def _write_hf(self, name: str, state_dict: Optional[Mapping[str, torch.Tensor]], step: int, tmp: Path,
+                  adapter: Optional[Tuple[Mapping[str, torch.Tensor], Mapping[str, Any],
+                                          Mapping[str, torch.Tensor]]] = None) -> None:
+        """Write ``tmp/<name>/`` with torchtune's HF writer: the weights, and the adapters in
+        PEFT's layout when ``adapter`` (state dict, config) is given.
 
         The writer puts files in ``<its output_dir>/epoch_<step>/``; we give it a scratch
         ``output_dir`` inside ``tmp`` and move that folder to ``tmp/<name>``.
@@ -231,8 +257,17 @@ class CheckpointManager:
         # save_checkpoint needs the shard map that only load_checkpoint fills; rebuilt at setup.
         set_weight_map(writer, self._weight_maps[name])
         # save_checkpoint replaces the MODEL_KEY entry in place: give it a dict of our own.
-        writer.save_checkpoint({training.MODEL_KEY: dict(state_dict)}, epoch=step)
+        payload = {training.MODEL_KEY: {} if state_dict is None else dict(state_dict)}
+        if adapter is not None:
+            payload[training.ADAPTER_KEY] = dict(adapter[0])
+            payload[training.ADAPTER_CONFIG] = dict(adapter[1])
+        writer.save_checkpoint(payload, epoch=step, adapter_only=state_dict is None)
         os.rename(scratch / f"epoch_{step}", tmp / name)
+        if adapter is not None and adapter[2]:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in adapter[2].items()}, str(tmp / name / HEAD_FNAME),
+                      metadata={"format": "pt"})
         shutil.rmtree(scratch)
 
     def _clean_tmp(self) -> None:
@@ -448,6 +483,10 @@ def _write_marker(folder: Path, step: int) -> None:
             name: sorted(p.name for p in (folder / name).iterdir() if _SHARD_RE.match(p.name))
             for name in MODEL_NAMES
         },
+        "adapter_files": {
+            name: sorted(p.name for p in (folder / name).iterdir() if _ADAPTER_RE.match(p.name))
+            for name in MODEL_NAMES
+        },
     }
     path = folder / MARKER_FNAME
     with open(path, "w") as f:
@@ -488,8 +527,8 @@ def _invalid_reason(folder: Path, verify: bool = False) -> Optional[str]:
         if p.stat().st_size != size:
             return f"{rel} has {p.stat().st_size} bytes, {MARKER_FNAME} says {size}"
     for name in MODEL_NAMES:
-        if not marker.get("checkpoint_files", {}).get(name):
-            return f"{MARKER_FNAME} lists no {name} weight files"
+        if not (marker.get("checkpoint_files", {}).get(name) or marker.get("adapter_files", {}).get(name)):
+            return f"{MARKER_FNAME} lists no {name} weight or adapter files"
     if verify:
         for rel, digest in marker.get("sha256", {}).items():
             if sha256_of(folder / rel) != digest:
@@ -630,6 +669,30 @@ def checkpointer_overrides(checkpoint: Union[str, Path]) -> Dict[str, Dict[str, 
         name: {"checkpoint_dir": str(checkpoint / name), "checkpoint_files": list(files[name])}
         for name in MODEL_NAMES
     }
+
+
+def load_adapters(checkpoint: Union[str, Path], name: str) -> Dict[str, torch.Tensor]:
+    """The trained adapter weights of model ``name`` saved in a complete checkpoint, in
+    torchtune's names (``adapter_model.pt``; the PEFT-layout safetensors beside it hold the same
+    tensors in Hugging Face's names), with a value model's head (``head.safetensors``), on the CPU.
+
+    Raises:
+        ValueError: ``checkpoint`` is not complete.
+        FileNotFoundError: it holds no adapters of ``name`` (saved from a model without LoRA).
+    """
+    checkpoint = _require_complete(checkpoint)
+    path = checkpoint / name / ADAPTER_PT_FNAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: {checkpoint} holds no {name} adapters, so it was saved by a run "
+            f"whose {name} had no LoRA layers; resume it with that run's model builder.")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    head = checkpoint / name / HEAD_FNAME
+    if head.is_file():
+        from safetensors.torch import load_file
+
+        state.update(load_file(str(head)))
+    return state
 
 
 # ----------------------------------------------------------------------------- recipe helpers

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torchtune import utils
 
-from torchtune_ppo import distributed
+from torchtune_ppo import distributed, lora
 from torchtune_ppo.checkpointing.store import CheckpointManager, load_training_state
 
 log = utils.get_logger("INFO")
@@ -91,12 +91,16 @@ class CheckpointClient:
             ``config.yaml`` in every checkpoint (see :mod:`.resume_config`).
         kl_controller (Optional[Any]): the adaptive KL coefficient (``state_dict`` /
             ``load_state_dict``), saved and restored with the rest.
+        merge_adapters_at_end (bool): a LoRA model's save with ``final=True`` also writes its
+            merged full weights (else only its adapters, as every other save).
     """
 
     def __init__(self, manager: CheckpointManager, models: Mapping[str, nn.Module], optimizer: Any,
                  lr_scheduler: Optional[Any], skipped_steps: Any, generators: Sequence[torch.Generator],
-                 run_config: Optional[Mapping[str, Any]] = None, kl_controller: Optional[Any] = None) -> None:
+                 run_config: Optional[Mapping[str, Any]] = None, kl_controller: Optional[Any] = None,
+                 merge_adapters_at_end: bool = True) -> None:
         self.manager, self.models = manager, dict(models)
+        self.merge_adapters_at_end = merge_adapters_at_end
         self.kl_controller = kl_controller
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.skipped_steps, self.generators = skipped_steps, list(generators)
@@ -106,10 +110,13 @@ class CheckpointClient:
         """This rank's random states now (for :meth:`save` after a step that failed midway)."""
         return capture_rng_state(self.generators)
 
-    def save(self, step: int, progress: Mapping[str, int], rng: Optional[Mapping[str, Any]] = None) -> str:
+    def save(self, step: int, progress: Mapping[str, int], rng: Optional[Mapping[str, Any]] = None,
+             final: bool = False) -> str:
         """Writes ``step_<step>`` atomically: the models in HF format and the training state.
         Every rank must call it (the weights are gathered collectively; rank 0 writes them).
-        ``rng`` replaces the random states of now (e.g. those from before a failed step)."""
+        ``rng`` replaces the random states of now (e.g. those from before a failed step).
+        A LoRA model is saved as its adapters (PEFT layout); with ``final`` (the run's last save)
+        also as merged full weights, unless ``merge_adapters_at_end`` is off."""
         world = distributed.world_size()
         state = {
             # On W ranks: keyed by parameter name with full tensors, so any W can resume it.
@@ -125,9 +132,14 @@ class CheckpointClient:
             state["rng_per_rank"] = distributed.all_gather_objects(state["rng"])
         # The random states in "rng" are rank 0's: a resume on another number of ranks draws
         # different samples.
-        weights = {name: distributed.full_state_dict(m) for name, m in self.models.items()}
+        adapters = {name: (lora.adapter_state_dict(m), lora.peft_adapter_config(m), lora.head_state_dict(m))
+                    for name, m in self.models.items() if lora.has_adapters(m)}
+        merge = final and self.merge_adapters_at_end
+        weights = {name: (lora.merged_state_dict(m) if merge else None) if name in adapters
+                   else distributed.full_state_dict(m) for name, m in self.models.items()}
         if distributed.rank() == 0:
-            self.manager.save(step, weights["policy"], weights["value"], state, self.run_config)
+            extra = {"adapters": adapters} if adapters else {}
+            self.manager.save(step, weights["policy"], weights["value"], state, self.run_config, **extra)
         distributed.barrier()
         return str(self.manager.root / f"step_{int(step)}")
 

@@ -363,6 +363,7 @@ def _check_checkpoint_files(cfg: DictConfig) -> None:
 def _check_models(cfg: DictConfig) -> None:
     """Sequence length and vocabularies, read from the models built on the meta device."""
     models = {key: _meta_model(cfg[key]) for key in ("policy_model", "reward_and_value_model")}
+    _check_lora(cfg, models)
     if cfg.max_prompt_len is not None:
         check_sequence_length(cfg, cfg.max_prompt_len, models)
     vocab = _vocab_size(models["policy_model"])
@@ -382,6 +383,50 @@ def _check_models(cfg: DictConfig) -> None:
             f"policy_model's ({vocab}): the value and reward models read every token the "
             "policy writes, so they must share its tokenizer."
         )
+
+
+def _check_lora(cfg: DictConfig, models: Dict[str, torch.nn.Module]) -> None:
+    """What LoRA models (adapters in the meta-built ``policy_model`` or
+    ``reward_and_value_model``) ask of the other keys."""
+    from torchtune_ppo import lora
+
+    adapted = [key for key in ("policy_model", "reward_and_value_model") if lora.has_adapters(models[key])]
+    for key in adapted:
+        try:
+            lora.lora_settings(models[key])
+        except ValueError as e:
+            raise ValueError(f"{key} ({cfg[key]._component_}): {e}") from None
+    if "policy_model" not in adapted and cfg.ref_policy_checkpointer is None:
+        raise ValueError(
+            "config is missing ref_policy_checkpointer, the frozen reference policy's weights "
+            "(normally the same files as checkpointer's). Only a LoRA policy_model may leave it "
+            "out: its reference is its own base with the adapters off.")
+    if not adapted:
+        return
+    if cfg.optimizer_in_bwd:
+        raise ValueError(
+            f"optimizer_in_bwd=True with a LoRA {' and '.join(adapted)}: its point, never holding "
+            "every gradient, does not apply to adapters (a few MB). Set optimizer_in_bwd=False.")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ValueError(
+            f"a LoRA {' and '.join(adapted)} under torchrun (WORLD_SIZE={world}) is not supported "
+            "yet; run it on one process.")
+    if "policy_model" not in adapted:
+        return
+    ref = cfg.ref_policy_checkpointer
+    if ref is not None and _checkpoint_files(ref, "ref_policy_checkpointer") != _checkpoint_files(
+            cfg.checkpointer, "checkpointer"):
+        raise ValueError(
+            f"ref_policy_checkpointer loads {str(ref.get('checkpoint_dir'))!r}, not the policy's "
+            f"start {str(cfg.checkpointer.checkpoint_dir)!r}: with a LoRA policy the reference is "
+            "the policy's own base (adapters off), so no other reference weights are read. Leave "
+            "ref_policy_checkpointer out, or use a plain policy_model builder.")
+    if parse_compile(cfg.compile).rollout:
+        raise ValueError(
+            "compile.rollout=True with a LoRA policy_model: the one region would need the adapters "
+            "on (generation) and off (reference) in one graph. Set compile.rollout=False; "
+            "compile.generate and compile.trajectory compile the same work without recompiles.")
 
 
 def cpu_threads(setting: Any) -> int:

@@ -289,13 +289,20 @@ SCHEMA: Tuple[Key, ...] = (
     Key("dataset", Component(), REQUIRED,
         "a torchtune dataset whose samples have `tokens` (e.g. `text_completion_dataset` with "
         "`add_eos: False`)"),
-    Key("policy_model", Component(), REQUIRED, "builder of the policy (and the reference policy)"),
+    Key("policy_model", Component(), REQUIRED,
+        "builder of the policy (and the reference policy); a LoRA builder (e.g. `torchtune.models."
+        "llama3_2.lora_llama3_2_1b` with `lora_attn_modules`, `apply_lora_to_mlp`, "
+        "`apply_lora_to_output`, `lora_rank`, `lora_alpha`) trains adapters only and makes the "
+        "reference the same model with its adapters off; see [LoRA](#lora)"),
     Key("reward_and_value_model", Component(), REQUIRED,
-        "builder of the reward model and the value model (one output)"),
+        "builder of the reward model and the value model (one output); a LoRA builder (e.g. "
+        "`torchtune_ppo.models.lora_llama3_2_1b_classifier`) makes the value model train its adapters "
+        "and head, and the reward model run with its adapters off; see [LoRA](#lora)"),
     Key("checkpointer", Component(), REQUIRED,
         "checkpointer of the trained policy: loads its start weights, saves it"),
-    Key("ref_policy_checkpointer", Component(), REQUIRED,
-        "the frozen reference policy's weights (normally the same files as the policy's start)"),
+    Key("ref_policy_checkpointer", Component(optional=True), None,
+        "the frozen reference policy's weights (normally the same files as the policy's start); "
+        "required unless the policy is LoRA (its reference is its own base: leave this out)"),
     Key("value_checkpointer", Component(), REQUIRED,
         "the value model: loads its start weights (normally the reward model's), saves it"),
     Key("reward_checkpointer", Component(optional=True), None,
@@ -410,6 +417,9 @@ SCHEMA: Tuple[Key, ...] = (
         "also save after every N passes over the dataset (torchtune's key); null: not"),
     Key("keep_last_n_checkpoints", Count(optional=True), None,
         "keep only the newest N complete checkpoints, so long runs fit on disk; null keeps all"),
+    Key("save_adapter_weights_only", Bool(), False,
+        "LoRA models: every checkpoint holds their adapters (PEFT layout); the run's last one also "
+        "the merged full weights (HF format) unless this is true (torchtune's key)"),
     Key("resume_from_checkpoint", Bool(), False,
         "continue from the newest complete checkpoint in `output_dir`"),
     # An update whose loss or gradients are not finite is skipped; this many in a row means the

@@ -3,7 +3,9 @@
 - Classifier builders (one output per token, untied head), named like torchtune's:
   ``llama3_2_1b_classifier``, ``llama3_2_3b_classifier``, ``llama3_1_8b_classifier``,
   ``qwen2_5_{0_5b,1_5b,3b,7b}_classifier``; component builders taking dims:
-  ``llama3_2_classifier``, ``llama3_1_classifier``, ``qwen2_classifier``. Mistral's are
+  ``llama3_2_classifier``, ``llama3_1_classifier``, ``qwen2_classifier``; with LoRA adapters
+  (a value model that trains adapters and its head) ``lora_llama3_2_1b_classifier``,
+  ``lora_qwen2_5_0_5b_classifier``, ``lora_llama3_2_classifier``, ``lora_qwen2_classifier``. Mistral's are
   torchtune's own (``torchtune.models.mistral.mistral_classifier``).
 - :class:`ClassifierHFCheckpointer`: HF ``*ForSequenceClassification`` checkpoints of any of
   these families, loaded and saved with ``score.weight``; it can also start a value model
@@ -32,6 +34,8 @@ from torchtune_ppo.models._checkpointer import (
 from torchtune_ppo.models._component_builders import (
     llama3_1_classifier,
     llama3_2_classifier,
+    lora_llama3_2_classifier,
+    lora_qwen2_classifier,
     qwen2_classifier,
 )
 from torchtune_ppo.models._hf_tokenizer import HFChatTokenizer, hf_chat_tokenizer, render_chat_prompt
@@ -39,6 +43,8 @@ from torchtune_ppo.models._model_builders import (
     llama3_1_8b_classifier,
     llama3_2_1b_classifier,
     llama3_2_3b_classifier,
+    lora_llama3_2_1b_classifier,
+    lora_qwen2_5_0_5b_classifier,
     qwen2_5_0_5b_classifier,
     qwen2_5_1_5b_classifier,
     qwen2_5_3b_classifier,
@@ -63,6 +69,10 @@ __all__ = [
     "llama3_2_1b_classifier",
     "llama3_2_3b_classifier",
     "llama3_2_classifier",
+    "lora_llama3_2_1b_classifier",
+    "lora_llama3_2_classifier",
+    "lora_qwen2_5_0_5b_classifier",
+    "lora_qwen2_classifier",
     "qwen2_5_0_5b_classifier",
     "qwen2_5_1_5b_classifier",
     "qwen2_5_3b_classifier",

@@ -228,30 +228,53 @@ class ClassifierHFCheckpointer(FullModelHFCheckpointer):
                 ``intermediate_checkpoint`` the other entries go to ``recipe_state.pt``.
             epoch (int): names the folder.
             intermediate_checkpoint (bool): also save the recipe state, as torchtune does.
-            adapter_only (bool): not supported; classifiers are saved whole.
+            adapter_only (bool): write only the LoRA adapters of ``state_dict["adapter"]`` (as
+                torchtune's HF checkpointer does: ``adapter_model.pt`` in torchtune's names,
+                ``adapter_model.safetensors`` and ``adapter_config.json`` in PEFT's layout).
 
         Raises:
-            ValueError: on ``adapter_only`` or adapter weights in ``state_dict``.
+            ValueError: ``adapter_only`` without adapter weights in ``state_dict``.
         """
-        if adapter_only or training.ADAPTER_KEY in state_dict:
-            raise ValueError("ClassifierHFCheckpointer saves whole models; adapters are not supported.")
-        model_state = dict(state_dict[training.MODEL_KEY])
-        head = model_state.pop(_OUTPUT)
-        hf_state = self._tune_to_hf(model_state)
-        hf_state[_SCORE] = head
+        if adapter_only and training.ADAPTER_KEY not in state_dict:
+            raise ValueError("adapter_only=True but state_dict holds no adapter weights.")
         out_dir = Path(self._output_dir) / f"epoch_{epoch}"
         out_dir.mkdir(parents=True, exist_ok=True)
-        self._write_shards(hf_state, out_dir)
+        head = None
+        if not adapter_only:
+            model_state = dict(state_dict[training.MODEL_KEY])
+            head = model_state.pop(_OUTPUT)
+            hf_state = self._tune_to_hf(model_state)
+            hf_state[_SCORE] = head
+            self._write_shards(hf_state, out_dir)
+        if training.ADAPTER_KEY in state_dict:
+            self._write_adapters(state_dict[training.ADAPTER_KEY], state_dict.get(training.ADAPTER_CONFIG), out_dir)
         copy_files(self._checkpoint_dir, out_dir, ignore_suffixes=SUFFIXES_TO_NOT_COPY)
         # After copy_files, which leaves existing files alone: the source's config.json may be a
         # *ForCausalLM one (a value model started from a policy).
-        config = _classifier_config(self._config, num_labels=head.shape[0])
+        num_labels = head.shape[0] if head is not None else self._config.get("num_labels", 1)
+        config = _classifier_config(self._config, num_labels=num_labels)
         (out_dir / "config.json").write_text(json.dumps(config, indent=2))
         if intermediate_checkpoint:
             rest = {k: v for k, v in state_dict.items() if k != training.MODEL_KEY}
             path = Path(self._output_dir) / RECIPE_STATE_DIRNAME / "recipe_state.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(rest, path)
+
+    def _write_adapters(self, adapters: Mapping[str, torch.Tensor], adapter_config: Optional[Mapping[str, Any]],
+                        out_dir: Path) -> None:
+        """The adapters as torchtune's ``FullModelHFCheckpointer`` writes them: torchtune's names
+        in ``adapter_model.pt``, PEFT's in ``adapter_model.safetensors`` and ``adapter_config.json``
+        (a ``*ForSequenceClassification`` names its layers as the causal LM does)."""
+        torch.save(dict(adapters), out_dir / "adapter_model.pt")
+        c = self._config
+        peft = convert_weights.tune_to_peft_adapter_weights(
+            dict(adapters), num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
+            dim=c["hidden_size"], head_dim=c.get("head_dim"))
+        save_file({k: v.contiguous() for k, v in peft.items()}, str(out_dir / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        if adapter_config is not None:
+            config = convert_weights.tune_to_peft_adapter_config(dict(adapter_config))
+            (out_dir / "adapter_config.json").write_text(json.dumps(config))
 
     def _conversion_args(self) -> Dict[str, Any]:
         c = self._config

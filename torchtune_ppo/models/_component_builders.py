@@ -10,14 +10,15 @@ bias=False)``, the layout of Hugging Face's ``*ForSequenceClassification.score``
 never shares its head with the token embeddings, whatever the policy it came from does.
 """
 
-from typing import Optional
+from typing import List, Optional
 
 from torch import nn
-from torchtune.models.llama3_2 import llama3_2
-from torchtune.models.qwen2 import qwen2
+from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
+from torchtune.models.qwen2 import lora_qwen2, qwen2
 from torchtune.modules import TransformerDecoder
 
-__all__ = ["llama3_1_classifier", "llama3_2_classifier", "qwen2_classifier"]
+__all__ = ["llama3_1_classifier", "llama3_2_classifier", "lora_llama3_2_classifier", "lora_qwen2_classifier",
+           "qwen2_classifier"]
 
 
 def with_classifier_head(model: TransformerDecoder, embed_dim: int, num_classes: int) -> TransformerDecoder:
@@ -186,3 +187,68 @@ def qwen2_classifier(
         tie_word_embeddings=True,
     )
     return with_classifier_head(model, embed_dim, num_classes)
+
+
+def lora_llama3_2_classifier(
+    lora_attn_modules: List[str],
+    apply_lora_to_mlp: bool = False,
+    *,
+    num_classes: int,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float = 0.0,
+    **dims,
+) -> TransformerDecoder:
+    """:func:`llama3_2_classifier` with LoRA adapters (torchtune's ``lora_llama3_2``).
+
+    The head is a plain ``nn.Linear`` trained whole with the adapters (a value model) or frozen
+    (a reward model): a ``[num_classes, D]`` head has nothing to gain from a low-rank update.
+
+    Args:
+        lora_attn_modules (List[str]): attention linears that get adapters, of ``q_proj``,
+            ``k_proj``, ``v_proj``, ``output_proj``.
+        apply_lora_to_mlp (bool): adapters on the MLP linears too. Default: False
+        num_classes (int): width of the head; 1 for a reward or value model.
+        lora_rank (int): rank of each adapter.
+        lora_alpha (float): the update is ``alpha / rank * B A x``.
+        lora_dropout (float): dropout on the adapters' input. Default: 0.0
+        **dims: the decoder's dims, as :func:`llama3_2_classifier` takes them.
+
+    Returns:
+        TransformerDecoder: ``[b, s] -> [b, s, num_classes]`` scores.
+    """
+    model = lora_llama3_2(lora_attn_modules=list(lora_attn_modules), apply_lora_to_mlp=apply_lora_to_mlp,
+                          apply_lora_to_output=False, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                          lora_dropout=lora_dropout, tie_word_embeddings=True, **dims)
+    return with_classifier_head(model, dims["embed_dim"], num_classes)
+
+
+def lora_qwen2_classifier(
+    lora_attn_modules: List[str],
+    apply_lora_to_mlp: bool = False,
+    *,
+    num_classes: int,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float = 0.0,
+    **dims,
+) -> TransformerDecoder:
+    """:func:`qwen2_classifier` with LoRA adapters (torchtune's ``lora_qwen2``); the head as in
+    :func:`lora_llama3_2_classifier`.
+
+    Args:
+        lora_attn_modules (List[str]): attention linears that get adapters.
+        apply_lora_to_mlp (bool): adapters on the MLP linears too. Default: False
+        num_classes (int): width of the head; 1 for a reward or value model.
+        lora_rank (int): rank of each adapter.
+        lora_alpha (float): the update is ``alpha / rank * B A x``.
+        lora_dropout (float): dropout on the adapters' input. Default: 0.0
+        **dims: the decoder's dims, as :func:`qwen2_classifier` takes them.
+
+    Returns:
+        TransformerDecoder: ``[b, s] -> [b, s, num_classes]`` scores.
+    """
+    model = lora_qwen2(lora_attn_modules=list(lora_attn_modules), apply_lora_to_mlp=apply_lora_to_mlp,
+                       apply_lora_to_output=False, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                       lora_dropout=lora_dropout, tie_word_embeddings=True, **dims)
+    return with_classifier_head(model, dims["embed_dim"], num_classes)

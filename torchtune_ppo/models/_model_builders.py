@@ -9,11 +9,15 @@ with ``num_labels=1``. Load one with :class:`torchtune_ppo.models.ClassifierHFCh
 the instruct models; lower it to save memory when sequences are short.
 """
 
+from typing import List
+
 from torchtune.modules import TransformerDecoder
 
 from torchtune_ppo.models._component_builders import (
     llama3_1_classifier,
     llama3_2_classifier,
+    lora_llama3_2_classifier,
+    lora_qwen2_classifier,
     qwen2_classifier,
 )
 
@@ -21,6 +25,8 @@ __all__ = [
     "llama3_1_8b_classifier",
     "llama3_2_1b_classifier",
     "llama3_2_3b_classifier",
+    "lora_llama3_2_1b_classifier",
+    "lora_qwen2_5_0_5b_classifier",
     "qwen2_5_0_5b_classifier",
     "qwen2_5_1_5b_classifier",
     "qwen2_5_3b_classifier",
@@ -196,4 +202,66 @@ def qwen2_5_7b_classifier(num_classes: int = 1, max_seq_len: int = 32768) -> Tra
         max_seq_len=max_seq_len,
         norm_eps=1e-6,
         rope_base=1_000_000.0,
+    )
+
+
+def lora_llama3_2_1b_classifier(
+    lora_attn_modules: List[str],
+    apply_lora_to_mlp: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+    num_classes: int = 1,
+    max_seq_len: int = 131072,
+) -> TransformerDecoder:
+    """:func:`llama3_2_1b_classifier` with LoRA adapters, keys as torchtune's ``lora_llama3_2_1b``.
+
+    Args:
+        lora_attn_modules (List[str]): attention linears that get adapters.
+        apply_lora_to_mlp (bool): adapters on the MLP linears too. Default: False
+        lora_rank (int): rank of each adapter. Default: 8
+        lora_alpha (float): the update is ``alpha / rank * B A x``. Default: 16
+        lora_dropout (float): dropout on the adapters' input. Default: 0.0
+        num_classes (int): width of the head. Default: 1 (a reward or value model)
+        max_seq_len (int): maximum sequence length. Default: 131072
+
+    Returns:
+        TransformerDecoder: the classifier.
+    """
+    return lora_llama3_2_classifier(
+        lora_attn_modules, apply_lora_to_mlp, num_classes=num_classes, lora_rank=lora_rank,
+        lora_alpha=lora_alpha, lora_dropout=lora_dropout, vocab_size=128_256, num_layers=16,
+        num_heads=32, num_kv_heads=8, embed_dim=2048, max_seq_len=max_seq_len, intermediate_dim=8192,
+        norm_eps=1e-5, rope_base=500_000, scale_factor=32,
+    )
+
+
+def lora_qwen2_5_0_5b_classifier(
+    lora_attn_modules: List[str],
+    apply_lora_to_mlp: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+    num_classes: int = 1,
+    max_seq_len: int = 32768,
+) -> TransformerDecoder:
+    """:func:`qwen2_5_0_5b_classifier` with LoRA adapters, keys as torchtune's ``lora_qwen2_5_0_5b``.
+
+    Args:
+        lora_attn_modules (List[str]): attention linears that get adapters.
+        apply_lora_to_mlp (bool): adapters on the MLP linears too. Default: False
+        lora_rank (int): rank of each adapter. Default: 8
+        lora_alpha (float): the update is ``alpha / rank * B A x``. Default: 16
+        lora_dropout (float): dropout on the adapters' input. Default: 0.0
+        num_classes (int): width of the head. Default: 1 (a reward or value model)
+        max_seq_len (int): maximum sequence length. Default: 32768
+
+    Returns:
+        TransformerDecoder: the classifier.
+    """
+    return lora_qwen2_classifier(
+        lora_attn_modules, apply_lora_to_mlp, num_classes=num_classes, lora_rank=lora_rank,
+        lora_alpha=lora_alpha, lora_dropout=lora_dropout, vocab_size=151936, num_layers=24,
+        num_heads=14, num_kv_heads=2, embed_dim=896, intermediate_dim=4864, max_seq_len=max_seq_len,
+        norm_eps=1e-6, rope_base=1_000_000.0,
     )

@@ -19,7 +19,7 @@ scoring left gathered. With one process that is all a no-op.
 """
 
 import contextlib
-from typing import List, Optional, Sequence, Union
+from typing import Callable, ContextManager, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -48,6 +48,10 @@ class Rollout:
         settings (ScoringSettings): the scoring's scalars; ``prompt_len`` and ``temperature``
             must be the generator's.
         regions (compiling.Regions): the scoring and fused callables (:func:`torchtune_ppo.compile.regions`).
+        reference (Optional[Callable[[], ContextManager]]): entered around each scoring call, to
+            make ``ref_policy_model`` the reference: for a LoRA policy that is the policy itself
+            and this switches its adapters off (:func:`torchtune_ppo.lora.adapters_off`).
+            Outside any compiled region, so each region always sees the adapters one way.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class Rollout:
         stop_token_ids: torch.Tensor,
         settings: ScoringSettings,
         regions: compiling.Regions,
+        reference: Optional[Callable[[], ContextManager]] = None,
     ) -> None:
         if not isinstance(reward, (ModelReward, FunctionReward)):
             raise TypeError(f"Rollout: reward must be a ModelReward or a FunctionReward, got {type(reward).__name__}.")
@@ -69,6 +74,11 @@ class Rollout:
         self.ref_policy_model, self.value_model = ref_policy_model, value_model
         self.reward, self.stop_token_ids, self.settings = reward, stop_token_ids, settings
         self._score, self._fused = regions.score, regions.fused_rollout
+        if reference is not None and self._fused is not None:
+            raise ValueError("compile.rollout traces generation (adapters on) and the reference "
+                             "(adapters off) into one region; with a LoRA policy use compile.generate "
+                             "and compile.trajectory instead.")
+        self._reference = reference or contextlib.nullcontext
         self._compiled_scoring = regions.whole_scoring_models
         self._scoring_models = [m for m in (ref_policy_model, value_model, self._reward_model) if m is not None]
         self._num_chunks = logprob_chunks(generator.batch_size * generator.max_generated_tokens)
@@ -105,7 +115,7 @@ class Rollout:
             if isinstance(self.reward, FunctionReward):
                 with timer("reward"):
                     scores = self._function_scores(outputs, prompt_lens, references)
-            with timer("score"), torch.no_grad(), scoring_whole:
+            with timer("score"), torch.no_grad(), scoring_whole, self._reference():
                 plans = self._plans(outputs, [lens for _, lens in chunks])
                 trajectories = [self._score_chunk(out.query_responses, lens, out.logprobs, chunk_scores, plan)
                                 for out, (_, lens), chunk_scores, plan in zip(outputs, chunks, scores, plans)]

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 
-from torchtune_ppo import distributed
+from torchtune_ppo import distributed, lora
 from torchtune_ppo.config import parse_compile
 from torchtune_ppo.ppo.packing import default_rows
 
@@ -125,12 +125,23 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     whole for the rollout (the policy while generating; with compiled scoring then the value
     model and the sharded frozen models while scoring; with ``compile.rollout`` all of them
     at once). That row and the gradients never coexist; the total counts both.
+
+    A LoRA policy (one process) is one copy of its base and adapters, which is also the
+    reference; only its adapters (and the value model) have gradients and optimizer state. A
+    LoRA value model trains its adapters and head only; the reward model keeps its own copy.
+    Its activations are counted as a full policy's: the backward still runs through every
+    frozen layer to reach the adapters below it.
     """
     W = world_size
     dtype_bytes = _DTYPE_BYTES[cfg.dtype]
     policy, value = _meta(cfg.policy_model), _meta(cfg.reward_and_value_model)
     n_policy, n_value = _numel(policy), _numel(value)
-    trained = n_policy + n_value
+    adapted, value_adapted = lora.has_adapters(policy), lora.has_adapters(value)
+    n_adapters = sum(p.numel() for p in lora.get_adapter_params(policy).values())
+    # a LoRA value model trains its adapters and its head
+    n_value_trained = (sum(p.numel() for p in lora.get_adapter_params(value).values())
+                       + sum(p.numel() for p in value.output.parameters())) if value_adapted else n_value
+    trained = (n_adapters if adapted else n_policy) + n_value_trained
     seq_len = (prompt_len or cfg.max_prompt_len or 0) + cfg.max_generated_tokens
     optimizer_name = str(cfg.optimizer.get("_component_", "")).rsplit(".", 1)[-1]
     states = _OPTIMIZER_STATES.get(optimizer_name, 2.0)
@@ -147,14 +158,21 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     frozen = 1 / W if cfg.shard_frozen_models else 1.0  # share of a frozen model per device
     # 1 process: "(0.16B each)"; W: "(0.16B; policy 1/8, reference whole)"
     shares = "" if W == 1 else f"; {{}} 1/{W}, {{}} {'1/' + str(W) if frozen < 1 else 'whole'}"
-    rows = {
+    policy_row = {
         f"policy + reference parameters ({n_policy / 1e9:.2f}B"
         f"{shares.format('policy', 'reference') if W > 1 else ' each'})":
             (1 / W + frozen) * n_policy * dtype_bytes,
+    } if not adapted else {
+        f"policy parameters (base {(n_policy - n_adapters) / 1e9:.2f}B + adapters "
+        f"{n_adapters / 1e6:.1f}M; reference: the base)": n_policy * dtype_bytes,
+    }
+    rows = {
+        **policy_row,
         f"value + reward parameters ({n_value / 1e9:.2f}B"
         f"{shares.format('value', 'reward') if W > 1 else ' each'})":
             (1 / W + frozen) * n_value * dtype_bytes,
-        f"gradients (policy + value{'' if W == 1 else f', 1/{W}'})":
+        f"gradients (policy{' adapters' if adapted else ''} + value{' adapters + head' if value_adapted else ''}"
+        f"{'' if W == 1 else f', 1/{W}'})":
             (biggest if cfg.optimizer_in_bwd else trained / W) * dtype_bytes,
         f"optimizer state ({optimizer_name or 'AdamW'}, {states:g} per parameter"
         f"{'' if W == 1 else f', 1/{W}'}{'; paged to host memory, not counted' if paged else ''})":

@@ -7,13 +7,14 @@ policy to write positive reviews. See ``assets/README.md``;
 
 Config builders: ``torchtune_ppo.tasks.tiny_sentiment.tiny_policy``,
 ``torchtune_ppo.tasks.tiny_sentiment.tiny_reward``,
-``torchtune_ppo.tasks.tiny_sentiment.tiny_tokenizer``.
+``torchtune_ppo.tasks.tiny_sentiment.tiny_tokenizer``; with LoRA adapters:
+``torchtune_ppo.tasks.tiny_sentiment.tiny_lora_policy``, ``torchtune_ppo.tasks.tiny_sentiment.tiny_lora_reward``.
 """
 
-from typing import Optional
+from typing import List, Optional
 
 from torchtune.models.llama2 import Llama2Tokenizer
-from torchtune.models.llama2._component_builders import llama2, llama2_classifier
+from torchtune.models.llama2._component_builders import llama2, llama2_classifier, lora_llama2, lora_llama2_classifier
 from torchtune.modules import TransformerDecoder
 
 from torchtune_ppo import asset_path
@@ -81,3 +82,61 @@ def tiny_tokenizer(path: Optional[str] = None, max_seq_len: Optional[int] = None
     if path is None:
         path = asset_path(f"{TASK}/tokenizer.model")
     return Llama2Tokenizer(path=path, max_seq_len=max_seq_len, prompt_template=None)
+
+
+def tiny_lora_policy(
+    lora_attn_modules: List[str],
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+) -> TransformerDecoder:
+    """:func:`tiny_policy` with LoRA adapters (torchtune's ``lora_llama2``): load
+    ``assets/policy`` into its base; the adapters start with ``lora_b`` at zero.
+
+    Args:
+        lora_attn_modules (List[str]): attention linears that get adapters, of
+            ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj``.
+        apply_lora_to_mlp (bool): adapters on the MLP linears too. Default: False
+        apply_lora_to_output (bool): an adapter on the LM head too. Default: False
+        lora_rank (int): rank of each adapter. Default: 8
+        lora_alpha (float): adapter scale numerator (the update is ``alpha / rank * B A x``). Default: 16
+        lora_dropout (float): dropout on the adapters' input. Default: 0.0
+
+    Returns:
+        TransformerDecoder: the policy with ``LoRALinear`` layers where asked.
+    """
+    return lora_llama2(
+        lora_attn_modules=list(lora_attn_modules), apply_lora_to_mlp=apply_lora_to_mlp,
+        apply_lora_to_output=apply_lora_to_output, **POLICY_DIMS, norm_eps=NORM_EPS,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+    )
+
+
+def tiny_lora_reward(
+    lora_attn_modules: List[str],
+    apply_lora_to_mlp: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+) -> TransformerDecoder:
+    """:func:`tiny_reward` with LoRA adapters (torchtune's ``lora_llama2_classifier``): as
+    ``reward_and_value_model`` the value model trains its adapters and its head, and the reward
+    model keeps its adapters off.
+
+    Args:
+        lora_attn_modules (List[str]): attention linears that get adapters.
+        apply_lora_to_mlp (bool): adapters on the MLP linears too. Default: False
+        lora_rank (int): rank of each adapter. Default: 8
+        lora_alpha (float): the update is ``alpha / rank * B A x``. Default: 16
+        lora_dropout (float): dropout on the adapters' input. Default: 0.0
+
+    Returns:
+        TransformerDecoder: the classifier with ``LoRALinear`` layers where asked.
+    """
+    return lora_llama2_classifier(
+        lora_attn_modules=list(lora_attn_modules), apply_lora_to_mlp=apply_lora_to_mlp,
+        apply_lora_to_output=False, num_classes=1, **REWARD_DIMS, norm_eps=NORM_EPS,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+    )

@@ -1,0 +1,214 @@
+"""LoRA PPO: a frozen base, trained adapters, and the reference policy for free.
+
+A policy built with one of torchtune's LoRA builders (``torchtune.models.llama3_2.lora_llama3_2_1b``,
+``torchtune.models.qwen2_5.lora_qwen2_5_0_5b``, ``torchtune.models.llama2.lora_llama2``, ...,
+with ``lora_attn_modules``, ``apply_lora_to_mlp``, ``apply_lora_to_output``, ``lora_rank``,
+``lora_alpha`` as torchtune's LoRA recipes name them) is a LoRA policy. Then:
+
+- only its adapter parameters train (:func:`train_adapters_only`); its base weights load from
+  the policy checkpoint and stay frozen (:func:`load_base`);
+- the reference policy is the same module with its adapters switched off
+  (:func:`adapters_off`, torchtune's ``disable_adapter``): no second copy of the weights. With
+  the adapters off a ``LoRALinear`` returns ``F.linear(x, W, b)``, so the reference logprobs are
+  the base model's, bit for bit;
+- checkpoints hold the adapters in the PEFT layout (:func:`peft_adapter_config`,
+  :func:`adapter_state_dict`, written by torchtune's HF checkpointer) and, at the end, the merged
+  weights (:func:`merged_state_dict`).
+
+A ``reward_and_value_model`` built with a LoRA builder (``torchtune_ppo.models.lora_llama3_2_1b_classifier``,
+...) gives a value model that trains its adapters and its head (:func:`head_names`; saved beside
+the adapters, :func:`head_state_dict`) and a reward model whose adapters are off for good
+(:func:`adapters_off_for_good`: never switched, so no region sees them change). The two keep
+separate bases.
+
+The adapters' switch is a Python attribute (``LoRALinear.disabled``) that a compiled region
+guards on. Each region here always sees it the same way, so none recompiles: generation and the
+loss step run with the adapters on, the scoring region (which holds the reference forward) with
+the policy's adapters off; the switch flips only between regions, in eager code
+(:class:`~torchtune_ppo.rollout.Rollout`). ``compile.rollout``, one region for generation and
+scoring, would need both states in one graph and is refused for a LoRA policy.
+"""
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torchtune.modules.peft import (
+    LoRALinear,
+    disable_adapter,
+    get_adapter_params,
+    get_merged_lora_ckpt,
+    set_trainable_params,
+)
+
+__all__ = [
+    "LoraSettings",
+    "adapter_state_dict",
+    "adapters_off",
+    "adapters_off_for_good",
+    "get_adapter_params",
+    "has_adapters",
+    "head_names",
+    "head_state_dict",
+    "load_adapters",
+    "load_base",
+    "lora_settings",
+    "merged_state_dict",
+    "peft_adapter_config",
+    "setup_lora_model",
+    "train_adapters_only",
+]
+
+
+class LoraSettings(NamedTuple):
+    """What a model's adapters are: ``rank``, ``alpha`` and the local names of the linears that
+    carry them (``q_proj``, ``v_proj``, ``w1``, ..., ``output``; torchtune's names)."""
+
+    rank: int
+    alpha: float
+    target_modules: List[str]
+
+
+def _is_adapter(module: nn.Module) -> bool:
+    # torchtune's AdapterModule is a Protocol without runtime checks; this is the test its own
+    # get_adapter_params and disable_adapter apply.
+    return callable(getattr(module, "adapter_params", None))
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` holds adapter modules (built with a LoRA builder)."""
+    return any(_is_adapter(m) for m in model.modules())
+
+
+def lora_settings(model: nn.Module) -> LoraSettings:
+    """The rank, alpha and adapted module names of ``model``'s ``LoRALinear`` layers.
+
+    Raises:
+        ValueError: the model has no LoRA layers, holds another kind of adapter (e.g. DoRA), or its
+            layers differ in rank or alpha (one ``adapter_config.json`` cannot say that).
+    """
+    layers = {name: m for name, m in model.named_modules() if _is_adapter(m)}
+    if not layers:
+        raise ValueError("the model has no LoRA layers; build it with a LoRA builder (e.g. lora_llama3_2_1b).")
+    other = sorted({type(m).__name__ for m in layers.values() if type(m) is not LoRALinear})
+    if other:
+        raise ValueError(f"only plain LoRA (LoRALinear) is supported, the model holds {other} "
+                         "(use_dora and quantize_base must be False).")
+    ranks = {(m.rank, float(m.alpha)) for m in layers.values()}
+    if len(ranks) != 1:
+        raise ValueError(f"every LoRA layer must have the same (rank, alpha), got {sorted(ranks)}.")
+    (rank, alpha), = ranks
+    targets = sorted({name.rsplit(".", 1)[-1] for name in layers})
+    return LoraSettings(rank=rank, alpha=alpha, target_modules=targets)
+
+
+def head_names(model: nn.Module) -> List[str]:
+    """The parameters of ``model.output`` (a classifier's head, e.g. ``output.weight``)."""
+    return [f"output.{n}" for n, _ in model.output.named_parameters()]
+
+
+def adapters_off_for_good(model: nn.Module) -> None:
+    """Switches every adapter of a frozen ``model`` off once (a reward model built from a LoRA
+    ``reward_and_value_model``): it runs as its base, and no region ever sees the switch move."""
+    for module in model.modules():
+        if _is_adapter(module) and hasattr(module, "disabled"):
+            module.disabled = True
+
+
+def train_adapters_only(model: nn.Module, also: Sequence[str] = ()) -> List[str]:
+    """Freezes every parameter of ``model`` but its adapters (and the parameters named in
+    ``also``, e.g. a value head ``output.weight``); returns the trained names."""
+    trained = set(get_adapter_params(model)) | set(also)
+    set_trainable_params(model, trained)
+    return sorted(trained)
+
+
+def load_base(model: nn.Module, state_dict: Mapping[str, torch.Tensor], key: str) -> None:
+    """Loads base weights (a full checkpoint without adapters) into a LoRA ``model``; the
+    adapters keep their initialisation (``lora_b`` zero: the model starts as the base).
+
+    Raises:
+        ValueError: naming the checkpointer ``key``, when the checkpoint lacks a base weight or
+            holds names the model does not have.
+    """
+    adapter_names = set(get_adapter_params(model))
+    result = model.load_state_dict(state_dict, strict=False)
+    missing = sorted(set(result.missing_keys) - adapter_names)
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{key}: the checkpoint does not fit the LoRA model: missing "
+                         f"{missing[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}.")
+
+
+def setup_lora_model(model: nn.Module, base: Mapping[str, torch.Tensor], key: str, *, trainable: bool,
+                     train_head: bool = False, saved: Optional[Tuple[Mapping[str, torch.Tensor], str]] = None) -> None:
+    """Loads and freezes a model built with a LoRA builder, as the recipe uses it.
+
+    Args:
+        model (nn.Module): the LoRA model, built.
+        base (Mapping[str, torch.Tensor]): its checkpointer's (adapter-free) state dict.
+        key (str): that checkpointer's config key, named in errors.
+        trainable (bool): the policy or value model: its adapters (and, with ``train_head``, its
+            head) train, the base is frozen. Else a frozen model (the reward model built from a
+            LoRA ``reward_and_value_model``): its adapters are switched off for good.
+        train_head (bool): train ``model.output`` whole (a value model's head).
+        saved (Optional[Tuple[Mapping, str]]): trained adapters to resume from and where they
+            were read (:func:`torchtune_ppo.checkpointing.load_adapters`).
+    """
+    load_base(model, base, key)
+    if not trainable:
+        adapters_off_for_good(model)
+        return
+    train_adapters_only(model, also=head_names(model) if train_head else ())
+    if saved is not None:
+        load_adapters(model, *saved)
+
+
+def load_adapters(model: nn.Module, adapters: Mapping[str, torch.Tensor], source: str) -> None:
+    """Loads trained weights saved by :func:`adapter_state_dict` and :func:`head_state_dict`.
+
+    Raises:
+        ValueError: naming ``source``, when the saved names are not exactly the model's trained ones.
+    """
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    if set(adapters) != trained:
+        raise ValueError(f"{source}: the saved adapters do not fit the model: missing "
+                         f"{sorted(trained - set(adapters))[:5]}, unexpected "
+                         f"{sorted(set(adapters) - trained)[:5]}; was it saved with other LoRA settings?")
+    model.load_state_dict(dict(adapters), strict=False)
+
+
+def adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The adapter parameters of a LoRA ``model``, detached on the CPU, in torchtune's names."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in get_adapter_params(model).items()}
+
+
+def head_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The parameters trained whole beside the adapters (a value model's head), on the CPU."""
+    adapters = set(get_adapter_params(model))
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()
+            if p.requires_grad and n not in adapters}
+
+
+def merged_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """``model``'s weights with each adapter merged in (``W + alpha / rank * B A``): the state
+    dict of the plain (non-LoRA) model, on the CPU."""
+    settings = lora_settings(model)
+    state = {n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()}
+    return get_merged_lora_ckpt(state, rank=settings.rank, alpha=settings.alpha)
+
+
+def peft_adapter_config(model: nn.Module) -> Dict[str, Any]:
+    """The adapter config torchtune's LoRA recipes pass their checkpointer, which writes it as
+    PEFT's ``adapter_config.json`` (module names mapped to Hugging Face's)."""
+    settings = lora_settings(model)
+    return {"r": settings.rank, "lora_alpha": settings.alpha,
+            "target_modules": list(settings.target_modules), "peft_type": "LORA"}
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Runs ``model`` as its base inside the block (torchtune's ``disable_adapter``). Call it
+    around a whole region, never inside one: the switch is what compiled regions guard on."""
+    with disable_adapter(model):
+        yield
