@@ -69,6 +69,7 @@ def serve(setup: Callable[[], Any]) -> None:
     try:
         row = setup()
     except Exception as e:
+        _log_traceback()
         channel.send({"event": "error", "reason": _reason(e)})
         raise
     channel.send({"event": "ready", **getattr(row, "info", {})})
@@ -95,10 +96,18 @@ def serve(setup: Callable[[], Any]) -> None:
     except StopRun:
         pass
     except Exception as e:
+        _log_traceback()
         channel.send({"event": "error", "reason": _reason(e)})
         raise
     channel.send({"event": "done", "whole_run_s": sum(active), "steps_run": len(active),
                   **row.finish()})
+
+
+def _log_traceback() -> None:
+    """The traceback into the row's log before the error reply (the driver may then stop the
+    process before its own exit would print it)."""
+    traceback.print_exc(file=sys.stderr)
+    sys.stderr.flush()
 
 
 def _reason(e: BaseException) -> str:
