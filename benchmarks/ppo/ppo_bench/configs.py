@@ -74,6 +74,10 @@ def torchtune_config(ours: Dict[str, Any], args: argparse.Namespace) -> Dict[str
 
     # Keys a config leaves out take our default, which the row then states to torchtune too.
     cfg = {k: ours[k] if k in ours else defaults()[k] for k in same}
+    if cfg["dataset"].get("_component_") == "torchtune_ppo.data.prompt_dataset":
+        # Ours yields each prompt's reference answer too (for function rewards); torchtune's
+        # collate would try to tensorize it.
+        cfg["dataset"] = {**cfg["dataset"], "_component_": "ppo_bench.configs.tokens_only_prompt_dataset"}
     if cfg["metric_logger"] is None:  # ours then logs to <output_dir>/logs; torchtune's needs one
         cfg["metric_logger"] = {"_component_": "torchtune.training.metric_logging.DiskLogger",
                                 "log_dir": f"{ours['output_dir']}/logs"}
@@ -95,3 +99,25 @@ def torchtune_config(ours: Dict[str, Any], args: argparse.Namespace) -> Dict[str
         enable_kv_cache=False,
     )
     return cfg
+
+
+class _TokensOnly:
+    """A prompt dataset's items as torchtune's datasets give them: tokens and labels (a copy,
+    unused by its PPO recipe but padded by its collate), no reference answer."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Dict[str, Any]:
+        tokens = self.dataset[index]["tokens"]
+        return {"tokens": tokens, "labels": list(tokens)}
+
+
+def tokens_only_prompt_dataset(tokenizer, **kwargs) -> _TokensOnly:
+    """``torchtune_ppo.data.prompt_dataset`` for torchtune's recipe: tokens only."""
+    from torchtune_ppo.data import prompt_dataset
+
+    return _TokensOnly(prompt_dataset(tokenizer, **kwargs))
