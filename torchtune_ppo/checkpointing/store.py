@@ -7,7 +7,8 @@ an ignored temporary folder::
     <output_dir>/checkpoints/
         step_<N>/
             policy/              Hugging Face format, written by torchtune's FullModelHFCheckpointer
-            value/               same, for the value model (model_type of its checkpointer, e.g. REWARD)
+            value/               same, for the value model (model_type of its checkpointer, e.g. REWARD);
+                                 absent for a critic-free run
             training_state.pt    the dict the recipe passes: optimizer, counters, data position, RNG
             config.yaml          the run's resolved config (checked on resume: resume_config.py)
             COMPLETE             JSON marker written last: step, every file with its size and
@@ -103,8 +104,8 @@ class CheckpointManager:
         policy_checkpointer (Union[DictConfig, Mapping]): config block of the policy's
             ``FullModelHFCheckpointer`` (``cfg.checkpointer``): its ``checkpoint_dir`` supplies
             config.json and the shard layout, its ``model_type`` the weight conversion.
-        value_checkpointer (Union[DictConfig, Mapping]): same for the value model
-            (``cfg.value_checkpointer``).
+        value_checkpointer (Optional[Union[DictConfig, Mapping]]): same for the value model
+            (``cfg.value_checkpointer``); None for a run without one (a critic-free estimator).
         keep_last_n (Optional[int]): keep only the newest ``n`` complete checkpoints; older ones
             are deleted after a save completes. ``None`` keeps all. A checkpoint that a
             checkpointer above loads from (``checkpoint_dir`` inside it) is never deleted.
@@ -119,7 +120,7 @@ class CheckpointManager:
         self,
         output_dir: Union[str, Path],
         policy_checkpointer: Union[DictConfig, Mapping],
-        value_checkpointer: Union[DictConfig, Mapping],
+        value_checkpointer: Optional[Union[DictConfig, Mapping]],
         *,
         keep_last_n: Optional[int] = None,
     ) -> None:
@@ -133,6 +134,7 @@ class CheckpointManager:
         self._writer_cfgs = {
             name: _resolved_block(block, name)
             for name, block in zip(MODEL_NAMES, (policy_checkpointer, value_checkpointer))
+            if block is not None
         }
         # Fail at setup, not hours later at the first save.
         self._weight_maps = {name: _weight_map(c) for name, c in self._writer_cfgs.items()}
@@ -141,7 +143,7 @@ class CheckpointManager:
         self,
         step: int,
         policy_state_dict: Mapping[str, torch.Tensor],
-        value_state_dict: Mapping[str, torch.Tensor],
+        value_state_dict: Optional[Mapping[str, torch.Tensor]],
         training_state: Dict[str, Any],
         run_config: Optional[Mapping[str, Any]] = None,
     ) -> Path:
@@ -154,7 +156,8 @@ class CheckpointManager:
             step (int): the PPO step just finished; names the folder ``step_<step>``.
             policy_state_dict (Mapping[str, torch.Tensor]): full policy state dict in torchtune
                 format (e.g. ``{k: v.detach().cpu() for k, v in model.state_dict().items()}``).
-            value_state_dict (Mapping[str, torch.Tensor]): full value model state dict.
+            value_state_dict (Optional[Mapping[str, torch.Tensor]]): full value model state
+                dict; None when the manager has no value checkpointer.
             training_state (Dict[str, Any]): everything else needed to resume, saved with
                 ``torch.save`` as given (optimizer state, counters, data position, RNG states
                 from :func:`capture_rng_state`).
@@ -177,7 +180,13 @@ class CheckpointManager:
             raise CheckpointExistsError(
                 f"Checkpoint {final} is already complete; refusing to overwrite it"
             )
-        _check_finite({"policy": policy_state_dict, "value": value_state_dict})
+        state_dicts = {"policy": policy_state_dict, "value": value_state_dict}
+        if (value_state_dict is None) != ("value" not in self._writer_cfgs):
+            raise ValueError("CheckpointManager.save: a value state dict goes with a value checkpointer, "
+                             f"got {'none' if value_state_dict is None else 'one'} and "
+                             f"{'one' if 'value' in self._writer_cfgs else 'none'}.")
+        state_dicts = {name: sd for name, sd in state_dicts.items() if sd is not None}
+        _check_finite(state_dicts)
 
         tmp = self.root / f"{_TMP_PREFIX}step_{step}_{os.getpid()}"
         try:
@@ -188,7 +197,7 @@ class CheckpointManager:
         except OSError as e:
             raise _write_error(e, final, self.root) from e
         try:
-            for name, sd in (("policy", policy_state_dict), ("value", value_state_dict)):
+            for name, sd in state_dicts.items():
                 self._write_hf(name, sd, step, tmp)
                 _maybe_crash(f"after_{name}")
             _write_training_state(training_state, tmp / TRAINING_STATE_FNAME)
@@ -446,7 +455,7 @@ def _write_marker(folder: Path, step: int) -> None:
         "sha256": {str(p.relative_to(folder)): sha256_of(p) for p in paths},
         "checkpoint_files": {
             name: sorted(p.name for p in (folder / name).iterdir() if _SHARD_RE.match(p.name))
-            for name in MODEL_NAMES
+            for name in MODEL_NAMES if (folder / name).is_dir()
         },
     }
     path = folder / MARKER_FNAME
@@ -487,8 +496,9 @@ def _invalid_reason(folder: Path, verify: bool = False) -> Optional[str]:
             return f"{rel} listed in {MARKER_FNAME} is missing"
         if p.stat().st_size != size:
             return f"{rel} has {p.stat().st_size} bytes, {MARKER_FNAME} says {size}"
-    for name in MODEL_NAMES:
-        if not marker.get("checkpoint_files", {}).get(name):
+    listed = marker.get("checkpoint_files") or {}
+    for name in ("policy", *(n for n in listed if n != "policy")):  # no value model: critic-free
+        if not listed.get(name):
             return f"{MARKER_FNAME} lists no {name} weight files"
     if verify:
         for rel, digest in marker.get("sha256", {}).items():
@@ -628,7 +638,7 @@ def checkpointer_overrides(checkpoint: Union[str, Path]) -> Dict[str, Dict[str, 
     files = _read_marker(checkpoint)["checkpoint_files"]
     return {
         name: {"checkpoint_dir": str(checkpoint / name), "checkpoint_files": list(files[name])}
-        for name in MODEL_NAMES
+        for name in MODEL_NAMES if name in files
     }
 
 

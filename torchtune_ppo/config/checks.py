@@ -225,6 +225,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     _check_no_eos_penalty(cfg)
     _check_optimizer_lr(cfg)
     _check_reward(cfg)
+    _check_advantage_estimator(cfg)
     if check_machine:
         check_device(cfg.device)
         _check_checkpoint_files(cfg)
@@ -255,11 +256,19 @@ def _check_optimizer_in_bwd(cfg: DictConfig) -> None:
 
 
 def _check_batch_sizes(cfg: DictConfig) -> None:
+    n = cfg.num_samples_per_prompt
+    rows = cfg.batch_size * n  # responses per step
     for key in ("forward_batch_size", "ppo_batch_size"):
-        if cfg.batch_size % cfg[key]:
+        if rows % cfg[key] and n == 1:
             raise ValueError(
                 f"batch_size ({cfg.batch_size}) must be divisible by {key} ({cfg[key]}); "
                 f"e.g. {key}={_divisor(cfg.batch_size, cfg[key])}."
+            )
+        if rows % cfg[key]:
+            raise ValueError(
+                f"{key} ({cfg[key]}) counts responses and must divide batch_size * "
+                f"num_samples_per_prompt ({cfg.batch_size} prompts * {n} = {rows} responses a step); "
+                f"e.g. {key}={_divisor(rows, cfg[key])}."
             )
     if cfg.ppo_batch_size % cfg.gradient_accumulation_steps:
         raise ValueError(
@@ -325,6 +334,36 @@ def _check_reward(cfg: DictConfig) -> None:
                 "function reward runs eagerly: set compile.rollout=False (compile.generate and "
                 "compile.trajectory still compile everything else)."
             )
+
+
+def _check_advantage_estimator(cfg: DictConfig) -> None:
+    """The value model is built for ``gae`` only; group baselines need groups."""
+    from torchtune_ppo.ppo.advantages import GROUP_ESTIMATORS, uses_value_model
+
+    estimator, n = cfg.advantage_estimator, cfg.num_samples_per_prompt
+    if estimator in GROUP_ESTIMATORS and n < 2:
+        raise ValueError(
+            f"advantage_estimator={estimator} compares the responses to the same prompt, so "
+            f"num_samples_per_prompt must be at least 2, got {n}; e.g. num_samples_per_prompt=4 "
+            "(batch_size still counts prompts)."
+        )
+    if uses_value_model(estimator):
+        if cfg.value_checkpointer is None:
+            raise ValueError(
+                "advantage_estimator=gae trains a value model: give value_checkpointer (its start "
+                "weights, normally the reward model's), or pick a critic-free advantage_estimator "
+                "(grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline)."
+            )
+        return
+    if cfg.whiten_rewards:
+        raise ValueError(
+            f"whiten_rewards=True whitens the rewards before GAE; advantage_estimator={estimator} "
+            "uses no GAE. Set whiten_rewards=False (reinforce_plus_plus whitens its returns anyway)."
+        )
+    if cfg.value_checkpointer is not None:
+        _note(f"advantage_estimator={estimator} trains no value model: value_checkpointer is "
+              "ignored (nothing is loaded from it or saved for it).")
+        cfg.value_checkpointer = None
 
 
 def _check_checkpoint_files(cfg: DictConfig) -> None:
