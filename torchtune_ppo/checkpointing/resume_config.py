@@ -118,9 +118,10 @@ def check_resume_config(checkpoint: Union[str, Path], cfg: Union[DictConfig, Map
         return []
     from torchtune_ppo.config.schema import defaults
 
+    new = config_to_save(cfg)
     # A key the saved config lacks did not exist yet when it was saved: the run had its default.
-    saved = {**{k: v for k, v in defaults().items() if k not in saved}, **saved}
-    must, may = config_differences(saved, config_to_save(cfg))
+    saved = {**{k: v for k, v in defaults().items() if k not in saved and k in new}, **saved}
+    must, may = config_differences(saved, new)
     if must:
         lines = "\n".join(f"  {k}: saved {old!r}, now {new!r}" for k, old, new in must)
         fix = " ".join(f"{k}={_cli(old)}" for k, old, _ in must if old is not _MISSING)
