@@ -66,3 +66,23 @@ def test_compiled_grpo_matches_eager_without_recompiles(eager_grpo, tmp_path):
         for key in ("loss", "policy_loss", "kl", "approx_policy_kl"):
             assert rows[step][key] == pytest.approx(eager[step][key], rel=2e-2, abs=2e-4), (step, key)
         assert rows[step]["value_loss"] == 0
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_two_processes_match_one_without_a_value_model(tmp_path):
+    """REINFORCE++ with 2 greedy responses per prompt: each rank repeats its own prompts, whitens
+    over both ranks, shards and saves the policy only; the logged numbers are the 1-process run's."""
+    from test_distributed import _assert_rows_match, _run
+
+    options = ("advantage_estimator=reinforce_plus_plus", "num_samples_per_prompt=2",
+               "forward_batch_size=16", "ppo_batch_size=16")  # one minibatch of the 16 responses
+    one = _run(tmp_path / "one", 1, *options)
+    two = _run(tmp_path / "two", 2, *options)
+    assert len(one) == len(two) == 3
+    _assert_rows_match(one, two)
+    for a, b in zip(one, two):
+        assert a["value_loss"] == b["value_loss"] == 0
+        # greedy: both responses of a group are the same
+        assert a["zero_std_groups"] == b["zero_std_groups"] == 1.0
+    assert sorted(p.name for p in (tmp_path / "two/checkpoints/step_3").iterdir()) == [
+        "COMPLETE", "config.yaml", "policy", "training_state.pt"]

@@ -274,3 +274,9 @@ def test_memory_plan_of_a_critic_free_run_has_no_value_model():
     assert ppo_rows[3] == 2 * (n_policy + n_value) * 4 and grpo_rows[3] == 2 * n_policy * 4  # AdamW state
     assert grpo_rows[5] < ppo_rows[5]  # activations of the policy's layers only
     assert "no value model" in grpo.table() and "policy + value" in ppo.table()
+
+
+def test_a_rounding_error_apart_counts_as_zero_std():
+    # the same response packed at another position can score 1e-7 apart
+    m = group_metrics(torch.tensor([0.5, 0.5 + 1e-7, 0.0, 1.0]), 2)
+    assert m["zero_std_groups"] == 0.5

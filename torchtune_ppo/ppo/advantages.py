@@ -171,7 +171,9 @@ def estimate_advantages(
 def group_metrics(scores: torch.Tensor, n: int) -> Dict[str, float]:
     """What group sampling gives the estimators, over the global batch: ``group_score_std``, the
     mean over groups of the (unbiased) std of their ``n`` scores, and ``zero_std_groups``, the
-    fraction of groups whose scores are all equal (no learning signal for a group baseline).
+    fraction of groups whose scores are all equal, std at most 1e-6 (no learning signal for a
+    group baseline; equal responses may score a rounding error apart where they were packed
+    differently).
 
     Args:
         scores (torch.Tensor): ``[g * n]`` this rank's scores after penalties, groups contiguous.
@@ -182,7 +184,7 @@ def group_metrics(scores: torch.Tensor, n: int) -> Dict[str, float]:
     """
     groups = scores.float().view(-1, n)
     std = groups.std(-1)
-    zero = (groups == groups[:, :1]).all(-1)
+    zero = std <= GROUP_STD_EPS
     sums = torch.stack([std.sum(), zero.sum().float(), torch.tensor(float(len(std)), device=std.device)])
     total = distributed.all_reduce_sum(sums).tolist()
     return {"group_score_std": total[0] / total[2], "zero_std_groups": total[1] / total[2]}
