@@ -280,3 +280,21 @@ def test_a_rounding_error_apart_counts_as_zero_std():
     # the same response packed at another position can score 1e-7 apart
     m = group_metrics(torch.tensor([0.5, 0.5 + 1e-7, 0.0, 1.0]), 2)
     assert m["zero_std_groups"] == 0.5
+
+
+def test_reward_and_value_model_only_where_a_model_needs_it():
+    arithmetic = OmegaConf.load(CONFIG.parent / "grpo_tiny_arithmetic.yaml")  # a function reward, GRPO
+    assert "reward_and_value_model" not in arithmetic and "value_checkpointer" not in arithmetic
+    cfg = validate_config(arithmetic)
+    assert cfg.reward_and_value_model is None and cfg.advantage_estimator == "grpo"
+    from torchtune_ppo.run import memory
+
+    assert "no value model" in memory.memory_plan(cfg).table()
+    sentiment = _cfg(advantage_estimator="grpo", num_samples_per_prompt=2)
+    del sentiment["reward_and_value_model"]  # its reward model is built by it
+    with pytest.raises(ValueError, match=r"reward_and_value_model is null, but the run needs a reward model "
+                                         r"\(reward_checkpointer\) built by it"):
+        validate_config(sentiment)
+    ppo = OmegaConf.merge(arithmetic, {"advantage_estimator": "gae", "num_samples_per_prompt": 1, "batch_size": 64})
+    with pytest.raises(ValueError, match=r"needs a value model \(advantage_estimator=gae\) built by it"):
+        validate_config(ppo)

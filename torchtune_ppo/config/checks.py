@@ -347,6 +347,14 @@ def _check_advantage_estimator(cfg: DictConfig) -> None:
             f"num_samples_per_prompt must be at least 2, got {n}; e.g. num_samples_per_prompt=4 "
             "(batch_size still counts prompts)."
         )
+    needs = [why for why, needed in (("a value model (advantage_estimator=gae)", uses_value_model(estimator)),
+                                     ("a reward model (reward_checkpointer)", cfg.reward_checkpointer is not None))
+             if needed]
+    if cfg.reward_and_value_model is None and needs:
+        raise ValueError(
+            f"reward_and_value_model is null, but the run needs {' and '.join(needs)} built by it: give "
+            "its builder, e.g. reward_and_value_model={_component_: torchtune.models.llama2.llama2_reward_7b}."
+        )
     if uses_value_model(estimator):
         if cfg.value_checkpointer is None:
             raise ValueError(
@@ -378,7 +386,8 @@ def _check_checkpoint_files(cfg: DictConfig) -> None:
 
 def _check_models(cfg: DictConfig) -> None:
     """Sequence length and vocabularies, read from the models built on the meta device."""
-    models = {key: _meta_model(cfg[key]) for key in ("policy_model", "reward_and_value_model")}
+    models = {key: _meta_model(cfg[key]) for key in ("policy_model", "reward_and_value_model")
+              if cfg[key] is not None}
     if cfg.max_prompt_len is not None:
         check_sequence_length(cfg, cfg.max_prompt_len, models)
     vocab = _vocab_size(models["policy_model"])
@@ -391,7 +400,7 @@ def _check_models(cfg: DictConfig) -> None:
             f"(policy_model.tok_embeddings.num_embeddings = {vocab}); use ids of the "
             "policy's tokenizer, e.g. its eos_id."
         )
-    value_vocab = _vocab_size(models["reward_and_value_model"])
+    value_vocab = _vocab_size(models["reward_and_value_model"]) if "reward_and_value_model" in models else None
     if value_vocab is not None and value_vocab < vocab:
         raise ValueError(
             f"reward_and_value_model's vocabulary ({value_vocab} tokens) is smaller than "
@@ -436,7 +445,8 @@ def check_sequence_length(
         ValueError: naming the model, both lengths and its ``max_seq_len``.
     """
     if models is None:
-        models = {key: _meta_model(cfg[key]) for key in ("policy_model", "reward_and_value_model")}
+        models = {key: _meta_model(cfg[key]) for key in ("policy_model", "reward_and_value_model")
+                  if cfg[key] is not None}
     total = prompt_len + cfg.max_generated_tokens
     for key, model in models.items():
         max_seq_len = getattr(model, "max_seq_len", None)

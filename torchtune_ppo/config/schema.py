@@ -280,8 +280,9 @@ SCHEMA: Tuple[Key, ...] = (
         "a torchtune dataset whose samples have `tokens` (e.g. `text_completion_dataset` with "
         "`add_eos: False`)"),
     Key("policy_model", Component(), REQUIRED, "builder of the policy (and the reference policy)"),
-    Key("reward_and_value_model", Component(), REQUIRED,
-        "builder of the reward model and the value model (one output)"),
+    Key("reward_and_value_model", Component(optional=True), None,
+        "builder of the reward model and the value model (one output); needed with "
+        "`reward_checkpointer` or `advantage_estimator: gae`"),
     Key("checkpointer", Component(), REQUIRED,
         "checkpointer of the trained policy: loads its start weights, saves it"),
     Key("ref_policy_checkpointer", Component(), REQUIRED,

@@ -128,8 +128,10 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     """
     W = world_size
     dtype_bytes = _DTYPE_BYTES[cfg.dtype]
-    policy, value = _meta(cfg.policy_model), _meta(cfg.reward_and_value_model)
-    n_policy, n_value = _numel(policy), _numel(value)
+    policy = _meta(cfg.policy_model)
+    # None: a critic-free run with a function reward builds no model of this kind
+    value = None if cfg.reward_and_value_model is None else _meta(cfg.reward_and_value_model)
+    n_policy, n_value = _numel(policy), 0 if value is None else _numel(value)
     # A critic-free estimator has no value model: no parameters, gradients, state or activations.
     critic = uses_value_model(cfg.advantage_estimator)
     trained = n_policy + (n_value if critic else 0)
