@@ -125,6 +125,9 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     whole for the rollout (the policy while generating; with compiled scoring then the value
     model and the sharded frozen models while scoring; with ``compile.rollout`` all of them
     at once). That row and the gradients never coexist; the total counts both.
+
+    A critic-free ``advantage_estimator`` has no value model: no value parameters, gradients,
+    optimizer state or activations, and only the reward model (if any) beside the policies.
     """
     W = world_size
     dtype_bytes = _DTYPE_BYTES[cfg.dtype]
@@ -150,15 +153,18 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     frozen = 1 / W if cfg.shard_frozen_models else 1.0  # share of a frozen model per device
     # 1 process: "(0.16B each)"; W: "(0.16B; policy 1/8, reference whole)"
     shares = "" if W == 1 else f"; {{}} 1/{W}, {{}} {'1/' + str(W) if frozen < 1 else 'whole'}"
+    if critic:
+        value_row = {f"value + reward parameters ({n_value / 1e9:.2f}B"
+                     f"{shares.format('value', 'reward') if W > 1 else ' each'})": (1 / W + frozen) * n_value * dtype_bytes}
+    else:  # the frozen reward model only, if the reward is not a function
+        share = "" if W == 1 else f", {'1/' + str(W) if frozen < 1 else 'whole'}"
+        value_row = {f"reward parameters ({n_value / 1e9:.2f}B{share}; no value model)":
+                     frozen * n_value * dtype_bytes if cfg.reward is None else 0.0}
     rows = {
         f"policy + reference parameters ({n_policy / 1e9:.2f}B"
         f"{shares.format('policy', 'reference') if W > 1 else ' each'})":
             (1 / W + frozen) * n_policy * dtype_bytes,
-        **({f"value + reward parameters ({n_value / 1e9:.2f}B"
-            f"{shares.format('value', 'reward') if W > 1 else ' each'})":
-                (1 / W + frozen) * n_value * dtype_bytes} if critic else
-           {f"reward parameters ({n_value / 1e9:.2f}B{'' if W == 1 else ', ' + ('1/' + str(W) if frozen < 1 else 'whole')}"
-            "; no value model)": (frozen * n_value * dtype_bytes if cfg.reward is None else 0.0)}),
+        **value_row,
         f"gradients (policy{' + value' if critic else ''}{'' if W == 1 else f', 1/{W}'})":
             (biggest if cfg.optimizer_in_bwd else trained / W) * dtype_bytes,
         f"optimizer state ({optimizer_name or 'AdamW'}, {states:g} per parameter"
