@@ -1,6 +1,7 @@
 """Group sampling and the critic-free advantage estimators of issue #19, against numbers worked
 by hand, and their config rules."""
 
+import json
 import math
 import threading
 from pathlib import Path
@@ -298,3 +299,28 @@ def test_reward_and_value_model_only_where_a_model_needs_it():
     ppo = OmegaConf.merge(arithmetic, {"advantage_estimator": "gae", "num_samples_per_prompt": 1, "batch_size": 64})
     with pytest.raises(ValueError, match=r"needs a value model \(advantage_estimator=gae\) built by it"):
         validate_config(ppo)
+
+
+def test_checkpoint_of_a_critic_free_run_holds_the_policy_only(tmp_path):
+    from torchtune import config, training
+
+    from torchtune_ppo.checkpointing import store
+
+    block = OmegaConf.create({
+        "_component_": "torchtune.training.FullModelHFCheckpointer",
+        "checkpoint_dir": torchtune_ppo.asset_path("tiny_sentiment/policy"),
+        "checkpoint_files": ["model.safetensors"], "model_type": "LLAMA2", "output_dir": str(tmp_path / "x"),
+    })
+    policy = config.instantiate(block).load_checkpoint()[training.MODEL_KEY]
+    manager = store.CheckpointManager(tmp_path / "run", block, None)
+    with pytest.raises(ValueError, match="a value state dict goes with a value checkpointer, got one and none"):
+        manager.save(1, policy, policy, {"step": 1})
+    path = manager.save(1, policy, None, {"step": 1})
+    assert sorted(p.name for p in path.iterdir()) == ["COMPLETE", "policy", "training_state.pt"]
+    assert store.latest_checkpoint(tmp_path / "run", verify=True) == path  # complete without value/
+    assert list(store.checkpointer_overrides(path)) == ["policy"]
+    # a marker that lists no policy weights is still refused
+    marker = json.loads((path / store.MARKER_FNAME).read_text())
+    marker["checkpoint_files"] = {}
+    (path / store.MARKER_FNAME).write_text(json.dumps(marker))
+    assert store.latest_checkpoint(tmp_path / "run") is None
