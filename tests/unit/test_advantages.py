@@ -313,7 +313,7 @@ def test_checkpoint_of_a_critic_free_run_holds_the_policy_only(tmp_path):
     })
     policy = config.instantiate(block).load_checkpoint()[training.MODEL_KEY]
     manager = store.CheckpointManager(tmp_path / "run", block, None)
-    with pytest.raises(ValueError, match="a value state dict goes with a value checkpointer, got one and none"):
+    with pytest.raises(ValueError, match=r"a value state dict \(or value adapters\) goes with a value checkpointer, got one and none"):
         manager.save(1, policy, policy, {"step": 1})
     path = manager.save(1, policy, None, {"step": 1})
     assert sorted(p.name for p in path.iterdir()) == ["COMPLETE", "policy", "training_state.pt"]
@@ -322,5 +322,103 @@ def test_checkpoint_of_a_critic_free_run_holds_the_policy_only(tmp_path):
     # a marker that lists no policy weights is still refused
     marker = json.loads((path / store.MARKER_FNAME).read_text())
     marker["checkpoint_files"] = {}
+    (path / store.MARKER_FNAME).write_text(json.dumps(marker))
+    assert store.latest_checkpoint(tmp_path / "run") is None
+
+
+# ---- with the loss options, decoupled GAE, critic warm-up and LoRA ----------------------------
+
+
+@pytest.mark.parametrize("key,value,fix", [
+    ("critic_warmup_steps", 3, "critic_warmup_steps=0"),
+    ("lmbda_actor", 0.9, "lmbda_actor=null"),
+    ("lmbda_actor", 0.0, "lmbda_actor=null"),  # 0 is a lambda, not off
+    ("lmbda_length_alpha", 0.05, "lmbda_length_alpha=null"),
+])
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce_plus_plus"])
+def test_critic_options_are_refused_without_a_critic(estimator, key, value, fix):
+    n = 1 if estimator == "reinforce_plus_plus" else 2
+    with pytest.raises(ValueError, match=rf"{key}={value} is for the value model and GAE; "
+                                         rf"advantage_estimator={estimator} has neither \(no critic\)\. Set {fix}"):
+        validate_config(_cfg(advantage_estimator=estimator, num_samples_per_prompt=n, **{key: value}))
+    # the same keys with gae are accepted
+    validate_config(_cfg(**{key: value}))
+
+
+def test_loss_options_are_accepted_without_a_critic():
+    cfg = validate_config(_cfg(advantage_estimator="grpo", num_samples_per_prompt=2, kl_coeff=0.0,
+                               **{"loss.entropy_coeff": 0.01, "loss.kl_coeff": 0.1, "loss.kl_estimator": "k3+"}))
+    assert cfg.loss.entropy_coeff == 0.01 and cfg.loss.kl_coeff == 0.1 and cfg.loss.kl_estimator == "k3+"
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_critic_free_advantages_log_no_explained_variance_or_actor_lambda(estimator):
+    out = _advantages(estimator)
+    assert out.lmbda_actor is None and out.explained_variance is None
+    metrics = adv_module.advantage_metrics(out)
+    assert set(metrics) == {"explained_variance", "lmbda_actor"}
+    assert all(math.isnan(v) for v in metrics.values())
+    with pytest.raises(ValueError, match=rf"lmbda_actor and lmbda_length_alpha are GAE's; advantage_estimator "
+                                         rf"'{estimator}' takes neither, got 0.9 and None"):
+        estimate_advantages(_trajectory(), kl_coeff=0.5, gamma=1.0, lmbda=0.95, whiten_rewards=False,
+                            advantage_estimator=estimator, num_samples_per_prompt=2, lmbda_actor=0.9)
+
+
+def test_gae_still_logs_explained_variance_and_actor_lambda():
+    out = estimate_advantages(_trajectory(), kl_coeff=0.5, gamma=1.0, lmbda=0.95, whiten_rewards=False,
+                              lmbda_actor=0.5)
+    metrics = adv_module.advantage_metrics(out)
+    assert metrics["lmbda_actor"] == 0.5 and math.isfinite(metrics["explained_variance"])
+
+
+def test_memory_plan_of_a_critic_free_lora_run():
+    from torchtune_ppo.run import memory
+    from torchtune_ppo.tasks.tiny_sentiment import tiny_lora_policy, tiny_lora_reward, tiny_reward
+
+    lora_cfg = OmegaConf.load(CONFIG.parent / "ppo_tiny_sentiment_lora.yaml")  # LoRA policy and value model
+    grpo = OmegaConf.merge(lora_cfg, {"advantage_estimator": "grpo", "num_samples_per_prompt": 2})
+    plan = memory.memory_plan(validate_config(grpo))
+    policy = tiny_lora_policy(["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True)
+    n_policy = sum(p.numel() for p in policy.parameters())
+    n_adapters = sum(p.numel() for n, p in policy.named_parameters() if "lora_" in n)
+    # the reward_and_value_model block builds only the reward model here, its adapters off
+    n_reward = sum(p.numel() for p in tiny_lora_reward(["q_proj", "k_proj", "v_proj", "output_proj"],
+                                                       apply_lora_to_mlp=True).parameters())
+    names, rows = list(plan.rows), list(plan.rows.values())
+    assert "reference: the base" in names[0] and rows[0] == n_policy * 4  # one copy: policy and reference
+    assert "no value model" in names[1] and rows[1] == n_reward * 4  # the frozen reward model only
+    assert names[2] == "gradients (policy adapters)" and rows[2] == n_adapters * 4
+    assert rows[3] == 2 * n_adapters * 4  # AdamW state of the adapters only
+    # with a full reward model, its own parameters
+    full_reward = OmegaConf.merge(grpo, {})
+    full_reward.reward_and_value_model = {"_component_": "torchtune_ppo.tasks.tiny_sentiment.tiny_reward"}
+    rows = list(memory.memory_plan(validate_config(full_reward)).rows.values())
+    n_full_reward = sum(p.numel() for p in tiny_reward().parameters())
+    assert n_full_reward != n_reward and rows[1] == n_full_reward * 4 and rows[2] == n_adapters * 4
+
+
+def test_checkpoint_of_a_critic_free_lora_run_holds_the_policy_adapters_only(tmp_path):
+    from torchtune import config, training
+
+    from torchtune_ppo.checkpointing import store
+
+    block = OmegaConf.create({
+        "_component_": "torchtune.training.FullModelHFCheckpointer",
+        "checkpoint_dir": torchtune_ppo.asset_path("tiny_sentiment/policy"),
+        "checkpoint_files": ["model.safetensors"], "model_type": "LLAMA2", "output_dir": str(tmp_path / "x"),
+    })
+    policy = config.instantiate(block).load_checkpoint()[training.MODEL_KEY]
+    adapter = ({"layers.0.attn.q_proj.lora_a.weight": torch.ones(2, 4)},
+               {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "peft_type": "LORA"}, {})
+    manager = store.CheckpointManager(tmp_path / "run", block, None)
+    with pytest.raises(ValueError, match=r"a value state dict \(or value adapters\) goes with a value "
+                                         r"checkpointer, got one and none"):
+        manager.save(1, None, None, {"step": 1}, adapters={"policy": adapter, "value": adapter})
+    path = manager.save(1, None, None, {"step": 1}, adapters={"policy": adapter})
+    assert sorted(p.name for p in path.iterdir()) == ["COMPLETE", "policy", "training_state.pt"]
+    assert store.latest_checkpoint(tmp_path / "run", verify=True) == path  # adapters only, no value/
+    marker = json.loads((path / store.MARKER_FNAME).read_text())
+    assert marker["adapter_files"]["policy"] and "value" not in marker["adapter_files"]
+    marker["adapter_files"] = {}  # then neither weights nor adapters of the policy: refused
     (path / store.MARKER_FNAME).write_text(json.dumps(marker))
     assert store.latest_checkpoint(tmp_path / "run") is None
