@@ -225,8 +225,8 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     _check_no_eos_penalty(cfg)
     _check_optimizer_lr(cfg)
     _check_reward(cfg)
+    _check_advantage_estimator(cfg)  # first: a critic-free run refuses the critic's keys by name
     _check_algorithms(cfg)
-    _check_advantage_estimator(cfg)
     if check_machine:
         check_device(cfg.device)
         _check_checkpoint_files(cfg)
