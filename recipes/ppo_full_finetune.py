@@ -9,7 +9,8 @@ One PPO step reads as:
 
     prompts [B, P] ─ rollout    ─► Trajectory: generate (query_responses [B, P+T], logprobs
                                    [B, T]), then score (ref logprobs, values, truncation, scores)
-                   ─ advantages ─► KL-penalised rewards, GAE, whitening
+                   ─ advantages ─► KL-penalised rewards, then GAE and whitening (or a critic-free
+                                   estimator: GRPO, RLOO, REINFORCE++, over groups of responses)
                    ─ update     ─► ppo_epochs × minibatches: packed loss step, backward, optimizer
                    ─ metrics, checkpoint
 
@@ -40,7 +41,9 @@ from torchtune_ppo.config import (
 )
 from torchtune_ppo.config.checks import warn_unknown_tokens
 from torchtune_ppo.data import prompt_loader
-from torchtune_ppo.ppo.advantages import advantage_metrics, estimate_advantages
+from torchtune_ppo.ppo.advantages import (
+    advantage_metrics, estimate_advantages, group_metrics, repeat_prompts, uses_value_model,
+)
 from torchtune_ppo.ppo.kl import KLController
 from torchtune_ppo.ppo.update import LossSettings, PPOUpdate, nonfinite_score_rows, num_updates
 from torchtune_ppo.rewards import FunctionReward
@@ -59,7 +62,8 @@ log = utils.get_logger("INFO")
 
 class PPOFullFinetuneRecipe(FTRecipeInterface):
     """PPO full fine-tuning: a trained policy and value model, a frozen reference policy and a
-    reward (a frozen reward model, or a function of the decoded texts).
+    reward (a frozen reward model, or a function of the decoded texts). With a critic-free
+    ``advantage_estimator`` (GRPO, RLOO, REINFORCE++) there is no value model at all.
 
     Each model is loaded through the torchtune checkpointer named in the config; the value
     model starts from the reward model's checkpoint (or the policy's, see ``value_head_init``).
@@ -87,6 +91,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._gamma, self._lmbda = cfg.gamma, cfg.lmbda
         # Decoupled GAE (VAPO): the actor's lambda, fixed or per response length; None: lmbda.
         self._lmbda_actor, self._lmbda_length_alpha = cfg.lmbda_actor, cfg.lmbda_length_alpha
+        # Each prompt is generated n times (a group); the batch then has batch_size * n rows.
+        self._estimator, self._n = cfg.advantage_estimator, cfg.num_samples_per_prompt
         self._whiten_rewards = cfg.whiten_rewards
         self._save_every_n_steps, self._save_every_n_epochs = cfg.save_every_n_steps, cfg.save_every_n_epochs
         self._log_every_n_steps = cfg.log_every_n_steps
@@ -123,7 +129,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         reward_model = self._setup_models(cfg, resume_from)
         self._rollout = self._setup_rollout(cfg, reward_model, regions)
         self._update = self._setup_update(cfg, regions.loss_step)
-        models = {"policy": self._policy_model, "value": self._value_model}
+        models = self._trained_models()
         manager = checkpointing.CheckpointManager(self._output_dir, cfg.checkpointer, cfg.value_checkpointer,
                                                   keep_last_n=cfg.keep_last_n_checkpoints)
         self._checkpoints = checkpointing.CheckpointClient(
@@ -151,9 +157,11 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         # LoRA: the reference is the policy's frozen base, its adapters off while it scores.
         self._ref_policy_model = self._policy_model if lora.has_adapters(self._policy_model) else self._setup_model(
             cfg.policy_model, "ref_policy_checkpointer", {}, trainable=False, cfg=cfg)
-        self._value_model = self._setup_model(
-            cfg.reward_and_value_model, "value_checkpointer", weights.get("value", {}), trainable=True, cfg=cfg,
-            resume_from=resume_from and (resume_from, "value"), train_head=True)
+        self._value_model = None  # critic-free estimators: no value model is built, trained or saved
+        if uses_value_model(cfg.advantage_estimator):
+            self._value_model = self._setup_model(
+                cfg.reward_and_value_model, "value_checkpointer", weights.get("value", {}), trainable=True, cfg=cfg,
+                resume_from=resume_from and (resume_from, "value"), train_head=True)
         if cfg.reward is not None:
             return None
         return self._setup_model(cfg.reward_and_value_model, "reward_checkpointer", {}, trainable=False, cfg=cfg)
@@ -217,20 +225,24 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         return Rollout(generator, self._ref_policy_model, self._value_model, reward, stop_token_ids,
                        settings, regions, reference=reference)
 
+    def _trained_models(self) -> Dict[str, torch.nn.Module]:
+        return {"policy": self._policy_model, **({} if self._value_model is None else {"value": self._value_model})}
+
     def _setup_update(self, cfg: DictConfig, loss_step: Callable) -> PPOUpdate:
-        models = {"policy": self._policy_model, "value": self._value_model}
+        models = self._trained_models()
+        rows = cfg.batch_size * cfg.num_samples_per_prompt  # responses per step
         optimizer = (InBackwardOptimizer(cfg.optimizer, models) if cfg.optimizer_in_bwd else
                      build_optimizer(cfg.optimizer, [p for m in models.values() for p in m.parameters()
                                                      if p.requires_grad]))  # LoRA: adapters only
         lr_scheduler = None
         if cfg.lr_scheduler is not None:  # torchtune's schedulers count optimizer steps
-            steps = self._num_steps * num_updates(cfg.batch_size, cfg.ppo_batch_size, cfg.ppo_epochs)
+            steps = self._num_steps * num_updates(rows, cfg.ppo_batch_size, cfg.ppo_epochs)
             lr_scheduler = config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=steps)
         # Accepts torchtune's `_component_: torchtune.rlhf.loss.PPOLoss` block or plain keys.
         loss = config.instantiate(cfg.loss) if "_component_" in cfg.loss else cfg.loss
         return PPOUpdate(
             self._policy_model, self._value_model, optimizer, lr_scheduler, loss_step,
-            batch_size=cfg.batch_size, ppo_batch_size=cfg.ppo_batch_size, ppo_epochs=cfg.ppo_epochs,
+            batch_size=rows, ppo_batch_size=cfg.ppo_batch_size, ppo_epochs=cfg.ppo_epochs,
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
             prompt_len=self._prompt_len, response_len=cfg.max_generated_tokens,
             temperature=float(cfg.temperature),
@@ -265,6 +277,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         A batch with a non-finite score gets no update at all.
         """
         timer, step = PhaseTimer(self._device), self.steps_run + 1
+        # [B * n, P]: each prompt n times in a row, so a group sits on this rank
+        prompts, prompt_lens, references = repeat_prompts(prompts, prompt_lens, references, self._n)
         self._step.begin()  # what a failure of this step may still save
         with timer("step"):
             # step 1-6: generate the responses and score them
@@ -277,6 +291,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             with timer("advantages"):
                 adv = estimate_advantages(trajectory, kl_coeff=self._kl.value, gamma=self._gamma, lmbda=self._lmbda,
                                           whiten_rewards=self._whiten_rewards, kl_estimator=self._kl_estimator,
+                                          advantage_estimator=self._estimator, num_samples_per_prompt=self._n,
                                           lmbda_actor=self._lmbda_actor, lmbda_length_alpha=self._lmbda_length_alpha)
             # step 8: the PPO update, skipped for a batch with a non-finite score
             if not bad_rows:
@@ -303,7 +318,9 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             kl_coeff=self._kl.value,  # the coefficient this step used
             **advantage_metrics(adv),  # explained_variance, lmbda_actor
         )
-        self._kl.update(metrics["kl"], n=self._batch_size)  # kl: the global batch's, on every rank
+        if self._n > 1:
+            metrics.update(group_metrics(trajectory.scores, self._n))
+        self._kl.update(metrics["kl"], n=self._batch_size * self._n)  # kl: the global batch's, on every rank
         if self._log_peak_memory_stats:
             metrics.update(training.get_memory_stats(device=self._device))
         return metrics
@@ -384,8 +401,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         pbar.set_postfix(progress(metrics))
 
     def save_checkpoint(self, step: int) -> None:
-        """Write ``<output_dir>/checkpoints/step_<step>``: policy and value in HF format and the
-        training state (optimizer, counters, data position, random states), atomically."""
+        """Write ``<output_dir>/checkpoints/step_<step>``: policy and value (if any) in HF format
+        and the training state (optimizer, counters, data position, random states), atomically."""
         self._checkpoints.save(step, {"steps_run": self.steps_run, "epochs_run": self.epochs_run,
                                       "batches_run_in_epoch": self._batches_run_in_epoch},
                                final=self.steps_run == self._num_steps)

@@ -107,6 +107,7 @@ def _packed_minibatch(policy, value, micro_batches, prompt_len=6, response_len=5
         masks=masks, response_padding_masks=padding,
         logprobs=-torch.rand(b, response_len, generator=g) * 4 * valid,
         values=torch.randn(b, response_len, generator=g) * valid,
+        ref_logprobs=-torch.rand(b, response_len, generator=g) * 4 * valid,
     )
     advantages = torch.randn(b, response_len, generator=g) * valid
     returns = torch.randn(b, response_len, generator=g) * valid

@@ -169,3 +169,38 @@ def test_compiled_matches_eager_with_no_recompiles(runs, tmp_path):
         for key in ("loss", "policy_loss", "value_loss", "kl", "approx_policy_kl"):
             assert compiled[step][key] == pytest.approx(eager[step][key], rel=2e-2, abs=2e-4), (step, key)
         assert compiled[step]["ratios"] - 1 == pytest.approx(eager[step]["ratios"] - 1, rel=2e-2, abs=2e-5), step
+
+
+def test_critic_free_lora_run_trains_and_saves_the_policy_adapters_only(tmp_path):
+    """GRPO with a LoRA policy: no value model anywhere (the LoRA config's value block builds
+    the reward model only), the optimizer over the policy's adapters, adapter checkpoints of
+    the policy alone mid-run and merged weights at the end; a resume repeats the run exactly."""
+    import math
+    import shutil
+
+    grpo = ["advantage_estimator=grpo", "num_samples_per_prompt=2", "num_ppo_steps=2", "save_every_n_steps=1",
+            "keep_last_n_checkpoints=null"]
+    straight = tmp_path / "straight"
+    rows = _run(straight, *grpo)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["value_loss"] == 0 and row["loss"] == row["policy_loss"] and math.isfinite(row["loss"])
+        assert math.isnan(row["explained_variance"]) and math.isnan(row["lmbda_actor"])
+    for n in (1, 2):
+        assert sorted(p.name for p in _step(straight, n).iterdir()) == [
+            "COMPLETE", "config.yaml", "policy", "training_state.pt"]
+        assert len(checkpointing.load_adapters(_step(straight, n), "policy")) == NUM_ADAPTER_PARAMS
+    assert not list((_step(straight, 1) / "policy").glob("model-*"))  # adapters only mid-run
+    assert (_step(straight, 2) / "policy" / "model-00001-of-00001.safetensors").is_file()  # merged at the end
+    state = checkpointing.load_training_state(_step(straight, 2))
+    assert len([p for g in state["optimizer"]["param_groups"] for p in g["params"]]) == NUM_ADAPTER_PARAMS
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(_step(resumed, 2))
+    shutil.rmtree(resumed / "logs")
+    again = _run(resumed, *grpo, "resume_from_checkpoint=True")
+    assert len(again) == 1
+    for key, value in rows[1].items():
+        if not key.startswith("time/") and "per_second" not in key and not (
+                isinstance(value, float) and math.isnan(value)):
+            assert again[0][key] == value, key

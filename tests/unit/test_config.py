@@ -411,9 +411,11 @@ def test_every_key_is_checked_against_its_kind():
 
 def test_left_out_keys_take_the_schema_defaults():
     cfg = _cfg()
-    # reward_checkpointer stays: without it the config has no reward; ref_policy_checkpointer
-    # too: only a LoRA policy may leave it out.
-    optional = [k for k in SCHEMA if not k.required and k.name not in ("reward_checkpointer", "ref_policy_checkpointer")]
+    # reward_checkpointer stays: without it the config has no reward; value_checkpointer and
+    # reward_and_value_model too: the default advantage_estimator (gae) trains a value model;
+    # ref_policy_checkpointer too: only a LoRA policy may leave it out.
+    kept = ("reward_checkpointer", "value_checkpointer", "reward_and_value_model", "ref_policy_checkpointer")
+    optional = [k for k in SCHEMA if not k.required and k.name not in kept]
     for key in optional:
         cfg.pop(key.name, None)
     filled = validate_config(cfg)

@@ -34,6 +34,8 @@ MUST_MATCH = (
     "seed", "shuffle", "dataset", "max_prompt_len", "max_generated_tokens", "long_prompts",
     "policy_model", "reward_and_value_model", "tokenizer",
     "optimizer._component_", "optimizer_in_bwd", "lr_scheduler._component_",
+    # whether a value model is trained (and in the optimizer state); responses per optimizer step
+    "advantage_estimator", "num_samples_per_prompt",
 )
 # Never compared: where the run is, and the switch that says it is resuming.
 IGNORED = ("output_dir", "resume_from_checkpoint")
@@ -114,7 +116,12 @@ def check_resume_config(checkpoint: Union[str, Path], cfg: Union[DictConfig, Map
                     "the config cannot be checked against it. Keep batch_size, seed, shuffle, "
                     "dataset and the models as they were, or the resumed run is not the same run.")
         return []
-    must, may = config_differences(saved, config_to_save(cfg))
+    from torchtune_ppo.config.schema import defaults
+
+    new = config_to_save(cfg)
+    # A key the saved config lacks did not exist yet when it was saved: the run had its default.
+    saved = {**{k: v for k, v in defaults().items() if k not in saved and k in new}, **saved}
+    must, may = config_differences(saved, new)
     if must:
         lines = "\n".join(f"  {k}: saved {old!r}, now {new!r}" for k, old, new in must)
         fix = " ".join(f"{k}={_cli(old)}" for k, old, _ in must if old is not _MISSING)

@@ -12,7 +12,8 @@ an ignored temporary folder::
                                  in torchtune's names, read on resume), and the merged weights
                                  only where the recipe asks (the run's last save); a LoRA
                                  value model's head beside them (head.safetensors)
-            value/               same, for the value model (model_type of its checkpointer, e.g. REWARD)
+            value/               same, for the value model (model_type of its checkpointer, e.g. REWARD);
+                                 absent for a critic-free run
             training_state.pt    the dict the recipe passes: optimizer, counters, data position, RNG
             config.yaml          the run's resolved config (checked on resume: resume_config.py)
             COMPLETE             JSON marker written last: step, every file with its size and
@@ -113,8 +114,8 @@ class CheckpointManager:
         policy_checkpointer (Union[DictConfig, Mapping]): config block of the policy's
             ``FullModelHFCheckpointer`` (``cfg.checkpointer``): its ``checkpoint_dir`` supplies
             config.json and the shard layout, its ``model_type`` the weight conversion.
-        value_checkpointer (Union[DictConfig, Mapping]): same for the value model
-            (``cfg.value_checkpointer``).
+        value_checkpointer (Optional[Union[DictConfig, Mapping]]): same for the value model
+            (``cfg.value_checkpointer``); None for a run without one (a critic-free estimator).
         keep_last_n (Optional[int]): keep only the newest ``n`` complete checkpoints; older ones
             are deleted after a save completes. ``None`` keeps all. A checkpoint that a
             checkpointer above loads from (``checkpoint_dir`` inside it) is never deleted.
@@ -129,7 +130,7 @@ class CheckpointManager:
         self,
         output_dir: Union[str, Path],
         policy_checkpointer: Union[DictConfig, Mapping],
-        value_checkpointer: Union[DictConfig, Mapping],
+        value_checkpointer: Optional[Union[DictConfig, Mapping]],
         *,
         keep_last_n: Optional[int] = None,
     ) -> None:
@@ -143,6 +144,7 @@ class CheckpointManager:
         self._writer_cfgs = {
             name: _resolved_block(block, name)
             for name, block in zip(MODEL_NAMES, (policy_checkpointer, value_checkpointer))
+            if block is not None
         }
         # Fail at setup, not hours later at the first save.
         self._weight_maps = {name: _weight_map(c) for name, c in self._writer_cfgs.items()}
@@ -151,7 +153,7 @@ class CheckpointManager:
         self,
         step: int,
         policy_state_dict: Mapping[str, torch.Tensor],
-        value_state_dict: Mapping[str, torch.Tensor],
+        value_state_dict: Optional[Mapping[str, torch.Tensor]],
         training_state: Dict[str, Any],
         run_config: Optional[Mapping[str, Any]] = None,
         adapters: Optional[Mapping[str, Tuple[Mapping[str, torch.Tensor], Mapping[str, Any],
@@ -166,7 +168,8 @@ class CheckpointManager:
             step (int): the PPO step just finished; names the folder ``step_<step>``.
             policy_state_dict (Mapping[str, torch.Tensor]): full policy state dict in torchtune
                 format (e.g. ``{k: v.detach().cpu() for k, v in model.state_dict().items()}``).
-            value_state_dict (Mapping[str, torch.Tensor]): full value model state dict.
+            value_state_dict (Optional[Mapping[str, torch.Tensor]]): full value model state
+                dict; None when the manager has no value checkpointer.
             training_state (Dict[str, Any]): everything else needed to resume, saved with
                 ``torch.save`` as given (optimizer state, counters, data position, RNG states
                 from :func:`capture_rng_state`).
@@ -195,10 +198,15 @@ class CheckpointManager:
                 f"Checkpoint {final} is already complete; refusing to overwrite it"
             )
         adapters = dict(adapters or {})
+        has_value = value_state_dict is not None or "value" in adapters
+        if has_value != ("value" in self._writer_cfgs):
+            raise ValueError("CheckpointManager.save: a value state dict (or value adapters) goes with a value checkpointer, "
+                             f"got {'one' if has_value else 'none'} and "
+                             f"{'one' if 'value' in self._writer_cfgs else 'none'}.")
         weights = {"policy": policy_state_dict, "value": value_state_dict}
-        for name, sd in weights.items():
-            if sd is None and name not in adapters:
-                raise ValueError(f"save: no {name} weights and no {name} adapters to write.")
+        if policy_state_dict is None and "policy" not in adapters:
+            raise ValueError("save: no policy weights and no policy adapters to write.")
+        weights = {name: sd for name, sd in weights.items() if sd is not None or name in adapters}
         _check_finite({**{k: v for k, v in weights.items() if v is not None},
                        **{f"{k} adapters": {**v[0], **v[2]} for k, v in adapters.items()}})
 
@@ -481,11 +489,11 @@ def _write_marker(folder: Path, step: int) -> None:
         "sha256": {str(p.relative_to(folder)): sha256_of(p) for p in paths},
         "checkpoint_files": {
             name: sorted(p.name for p in (folder / name).iterdir() if _SHARD_RE.match(p.name))
-            for name in MODEL_NAMES
+            for name in MODEL_NAMES if (folder / name).is_dir()
         },
         "adapter_files": {
             name: sorted(p.name for p in (folder / name).iterdir() if _ADAPTER_RE.match(p.name))
-            for name in MODEL_NAMES
+            for name in MODEL_NAMES if (folder / name).is_dir()
         },
     }
     path = folder / MARKER_FNAME
@@ -526,8 +534,10 @@ def _invalid_reason(folder: Path, verify: bool = False) -> Optional[str]:
             return f"{rel} listed in {MARKER_FNAME} is missing"
         if p.stat().st_size != size:
             return f"{rel} has {p.stat().st_size} bytes, {MARKER_FNAME} says {size}"
-    for name in MODEL_NAMES:
-        if not (marker.get("checkpoint_files", {}).get(name) or marker.get("adapter_files", {}).get(name)):
+    weights, adapters = marker.get("checkpoint_files") or {}, marker.get("adapter_files") or {}
+    # the policy always; the value model where it was saved (none: critic-free)
+    for name in ("policy", *(n for n in MODEL_NAMES if n != "policy" and (n in weights or n in adapters))):
+        if not (weights.get(name) or adapters.get(name)):
             return f"{MARKER_FNAME} lists no {name} weight or adapter files"
     if verify:
         for rel, digest in marker.get("sha256", {}).items():
@@ -667,7 +677,7 @@ def checkpointer_overrides(checkpoint: Union[str, Path]) -> Dict[str, Dict[str, 
     files = _read_marker(checkpoint)["checkpoint_files"]
     return {
         name: {"checkpoint_dir": str(checkpoint / name), "checkpoint_files": list(files[name])}
-        for name in MODEL_NAMES
+        for name in MODEL_NAMES if name in files
     }
 
 

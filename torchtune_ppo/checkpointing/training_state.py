@@ -81,8 +81,8 @@ class CheckpointClient:
 
     Args:
         manager (CheckpointManager): writes the step folders (rank 0 only).
-        models (Mapping[str, nn.Module]): the trained models by name (``policy``, ``value``),
-            sharded or not.
+        models (Mapping[str, nn.Module]): the trained models by name (``policy``, and ``value``
+            unless the run is critic-free), sharded or not.
         optimizer (Any): over the models' parameters, in the order of ``models``.
         lr_scheduler (Optional[Any]): saved and restored with it.
         skipped_steps (Any): has ``state_dict`` / ``load_state_dict`` (:class:`~torchtune_ppo.run.guards.SkippedSteps`).
@@ -139,7 +139,7 @@ class CheckpointClient:
                    else distributed.full_state_dict(m) for name, m in self.models.items()}
         if distributed.rank() == 0:
             extra = {"adapters": adapters} if adapters else {}
-            self.manager.save(step, weights["policy"], weights["value"], state, self.run_config, **extra)
+            self.manager.save(step, weights["policy"], weights.get("value"), state, self.run_config, **extra)
         distributed.barrier()
         return str(self.manager.root / f"step_{int(step)}")
 

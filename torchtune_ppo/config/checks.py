@@ -225,6 +225,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     _check_no_eos_penalty(cfg)
     _check_optimizer_lr(cfg)
     _check_reward(cfg)
+    _check_advantage_estimator(cfg)  # first: a critic-free run refuses the critic's keys by name
     _check_algorithms(cfg)
     if check_machine:
         check_device(cfg.device)
@@ -278,11 +279,19 @@ def _check_algorithms(cfg: DictConfig) -> None:
 
 
 def _check_batch_sizes(cfg: DictConfig) -> None:
+    n = cfg.num_samples_per_prompt
+    rows = cfg.batch_size * n  # responses per step
     for key in ("forward_batch_size", "ppo_batch_size"):
-        if cfg.batch_size % cfg[key]:
+        if rows % cfg[key] and n == 1:
             raise ValueError(
                 f"batch_size ({cfg.batch_size}) must be divisible by {key} ({cfg[key]}); "
                 f"e.g. {key}={_divisor(cfg.batch_size, cfg[key])}."
+            )
+        if rows % cfg[key]:
+            raise ValueError(
+                f"{key} ({cfg[key]}) counts responses and must divide batch_size * "
+                f"num_samples_per_prompt ({cfg.batch_size} prompts * {n} = {rows} responses a step); "
+                f"e.g. {key}={_divisor(rows, cfg[key])}."
             )
     if cfg.ppo_batch_size % cfg.gradient_accumulation_steps:
         raise ValueError(
@@ -350,6 +359,52 @@ def _check_reward(cfg: DictConfig) -> None:
             )
 
 
+def _check_advantage_estimator(cfg: DictConfig) -> None:
+    """The value model is built for ``gae`` only; group baselines need groups."""
+    from torchtune_ppo.ppo.advantages import GROUP_ESTIMATORS, uses_value_model
+
+    estimator, n = cfg.advantage_estimator, cfg.num_samples_per_prompt
+    if estimator in GROUP_ESTIMATORS and n < 2:
+        raise ValueError(
+            f"advantage_estimator={estimator} compares the responses to the same prompt, so "
+            f"num_samples_per_prompt must be at least 2, got {n}; e.g. num_samples_per_prompt=4 "
+            "(batch_size still counts prompts)."
+        )
+    needs = [why for why, needed in (("a value model (advantage_estimator=gae)", uses_value_model(estimator)),
+                                     ("a reward model (reward_checkpointer)", cfg.reward_checkpointer is not None))
+             if needed]
+    if cfg.reward_and_value_model is None and needs:
+        raise ValueError(
+            f"reward_and_value_model is null, but the run needs {' and '.join(needs)} built by it: give "
+            "its builder, e.g. reward_and_value_model={_component_: torchtune.models.llama2.llama2_reward_7b}."
+        )
+    if uses_value_model(estimator):
+        if cfg.value_checkpointer is None:
+            raise ValueError(
+                "advantage_estimator=gae trains a value model: give value_checkpointer (its start "
+                "weights, normally the reward model's), or pick a critic-free advantage_estimator "
+                "(grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline)."
+            )
+        return
+    for key, value in (("critic_warmup_steps", cfg.critic_warmup_steps if cfg.critic_warmup_steps else None),
+                       ("lmbda_actor", cfg.lmbda_actor), ("lmbda_length_alpha", cfg.lmbda_length_alpha)):
+        if value is not None:
+            raise ValueError(
+                f"{key}={value} is for the value model and GAE; advantage_estimator={estimator} has "
+                f"neither (no critic). Set {key}={0 if key == 'critic_warmup_steps' else 'null'}, or use "
+                "advantage_estimator=gae."
+            )
+    if cfg.whiten_rewards:
+        raise ValueError(
+            f"whiten_rewards=True whitens the rewards before GAE; advantage_estimator={estimator} "
+            "uses no GAE. Set whiten_rewards=False (reinforce_plus_plus whitens its returns anyway)."
+        )
+    if cfg.value_checkpointer is not None:
+        _note(f"advantage_estimator={estimator} trains no value model: value_checkpointer is "
+              "ignored (nothing is loaded from it or saved for it).")
+        cfg.value_checkpointer = None
+
+
 def _check_checkpoint_files(cfg: DictConfig) -> None:
     for key in [k for k in CHECKPOINTERS if cfg[k] is not None]:
         for path in _checkpoint_files(cfg[key], key):
@@ -362,7 +417,8 @@ def _check_checkpoint_files(cfg: DictConfig) -> None:
 
 def _check_models(cfg: DictConfig) -> None:
     """Sequence length and vocabularies, read from the models built on the meta device."""
-    models = {key: _meta_model(cfg[key]) for key in ("policy_model", "reward_and_value_model")}
+    models = {key: _meta_model(cfg[key]) for key in ("policy_model", "reward_and_value_model")
+              if cfg[key] is not None}
     _check_lora(cfg, models)
     if cfg.max_prompt_len is not None:
         check_sequence_length(cfg, cfg.max_prompt_len, models)
@@ -376,7 +432,7 @@ def _check_models(cfg: DictConfig) -> None:
             f"(policy_model.tok_embeddings.num_embeddings = {vocab}); use ids of the "
             "policy's tokenizer, e.g. its eos_id."
         )
-    value_vocab = _vocab_size(models["reward_and_value_model"])
+    value_vocab = _vocab_size(models["reward_and_value_model"]) if "reward_and_value_model" in models else None
     if value_vocab is not None and value_vocab < vocab:
         raise ValueError(
             f"reward_and_value_model's vocabulary ({value_vocab} tokens) is smaller than "
@@ -390,7 +446,9 @@ def _check_lora(cfg: DictConfig, models: Dict[str, torch.nn.Module]) -> None:
     ``reward_and_value_model``) ask of the other keys."""
     from torchtune_ppo import lora
 
-    adapted = [key for key in ("policy_model", "reward_and_value_model") if lora.has_adapters(models[key])]
+    # reward_and_value_model is absent (null) in a critic-free run with a function reward
+    adapted = [key for key in ("policy_model", "reward_and_value_model")
+               if key in models and lora.has_adapters(models[key])]
     for key in adapted:
         try:
             lora.lora_settings(models[key])
@@ -465,7 +523,8 @@ def check_sequence_length(
         ValueError: naming the model, both lengths and its ``max_seq_len``.
     """
     if models is None:
-        models = {key: _meta_model(cfg[key]) for key in ("policy_model", "reward_and_value_model")}
+        models = {key: _meta_model(cfg[key]) for key in ("policy_model", "reward_and_value_model")
+                  if cfg[key] is not None}
     total = prompt_len + cfg.max_generated_tokens
     for key, model in models.items():
         max_seq_len = getattr(model, "max_seq_len", None)

@@ -13,6 +13,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from torchtune_ppo.ppo.advantages import ADVANTAGE_ESTIMATORS
 from torchtune_ppo.ppo.kl import KL_ESTIMATORS, KL_LOSS_ESTIMATORS
 from torchtune_ppo.ppo.rlhf import AGGREGATIONS
 
@@ -294,8 +295,9 @@ SCHEMA: Tuple[Key, ...] = (
         "llama3_2.lora_llama3_2_1b` with `lora_attn_modules`, `apply_lora_to_mlp`, "
         "`apply_lora_to_output`, `lora_rank`, `lora_alpha`) trains adapters only and makes the "
         "reference the same model with its adapters off; see [LoRA](#lora)"),
-    Key("reward_and_value_model", Component(), REQUIRED,
-        "builder of the reward model and the value model (one output); a LoRA builder (e.g. "
+    Key("reward_and_value_model", Component(optional=True), None,
+        "builder of the reward model and the value model (one output); needed with "
+        "`reward_checkpointer` or `advantage_estimator: gae`. A LoRA builder (e.g. "
         "`torchtune_ppo.models.lora_llama3_2_1b_classifier`) makes the value model train its adapters "
         "and head, and the reward model run with its adapters off; see [LoRA](#lora)"),
     Key("checkpointer", Component(), REQUIRED,
@@ -303,8 +305,10 @@ SCHEMA: Tuple[Key, ...] = (
     Key("ref_policy_checkpointer", Component(optional=True), None,
         "the frozen reference policy's weights (normally the same files as the policy's start); "
         "required unless the policy is LoRA (its reference is its own base: leave this out)"),
-    Key("value_checkpointer", Component(), REQUIRED,
-        "the value model: loads its start weights (normally the reward model's), saves it"),
+    Key("value_checkpointer", Component(optional=True), None,
+        "the value model: loads its start weights (normally the reward model's), saves it. Needed "
+        "by `advantage_estimator: gae`; the critic-free estimators build no value model and ignore "
+        "it (with a note)"),
     Key("reward_checkpointer", Component(optional=True), None,
         "the frozen reward model's weights; give it or `reward`"),
     # A function reward replaces the reward model; reward_and_value_model then builds the value
@@ -329,13 +333,14 @@ SCHEMA: Tuple[Key, ...] = (
     Key("num_ppo_steps", Count(), REQUIRED,
         "PPO steps to run; or torchtune's `num_steps`, which counts prompts "
         "(`num_steps // batch_size` PPO steps)", torchtune_key="num_steps"),
-    Key("batch_size", Count(), REQUIRED, "prompts per PPO step"),
+    Key("batch_size", Count(), REQUIRED,
+        "prompts per PPO step (each generated `num_samples_per_prompt` times)"),
     Key("forward_batch_size", Count(), REQUIRED,
-        "rows per generation and scoring call; the KV cache is allocated for this many rows. "
-        "Must divide `batch_size`"),
+        "rows (responses) per generation and scoring call; the KV cache is allocated for this many "
+        "rows. Must divide `batch_size * num_samples_per_prompt`"),
     Key("ppo_epochs", Count(), 1, "passes over each batch of trajectories"),
     Key("ppo_batch_size", Count(), REQUIRED,
-        "trajectories per optimizer step. Must divide `batch_size`"),
+        "trajectories (responses) per optimizer step. Must divide `batch_size * num_samples_per_prompt`"),
     Key("gradient_accumulation_steps", Count(), 1,
         "micro-batches per optimizer step. Must divide `ppo_batch_size`"),
     Key("optimizer", Component(), REQUIRED,
@@ -382,19 +387,27 @@ SCHEMA: Tuple[Key, ...] = (
     Key("kl_horizon", Number(gt=0), 10000, "the adaptive KL's horizon, in sequences"),
     Key("whiten_rewards", Bool(), False,
         "whiten the per-token rewards before GAE (torchtune's key; its default is off)"),
-    Key("gamma", Number(ge=0, le=1), 1.0, "GAE discount"),
+    Key("gamma", Number(ge=0, le=1), 1.0, "discount of GAE and of `reinforce_plus_plus`'s returns"),
     Key("lmbda", Number(ge=0, le=1), 0.95,
         "GAE lambda (of the critic's returns and, unless `lmbda_actor` or `lmbda_length_alpha` is "
         "set, of the actor's advantages)"),
     Key("lmbda_actor", Number(ge=0, le=1, optional=True), None,
         "decoupled GAE (VAPO): the actor's advantages use this lambda, the critic's returns `lmbda`; "
-        "null: `lmbda`"),
+        "null: `lmbda`. `gae` only"),
     Key("lmbda_length_alpha", Number(gt=0, optional=True), None,
         "length-adaptive GAE (VAPO): the actor's lambda is `1 - 1 / (alpha * l)` (at least 0), l the "
-        "response's valid tokens, e.g. 0.05; null: off"),
+        "response's valid tokens, e.g. 0.05; null: off. `gae` only"),
     Key("critic_warmup_steps", Int(ge=0), 0,
         "the first N PPO steps train the value model only (the policy and its optimizer state are "
-        "left as they are)"),
+        "left as they are). `gae` only: the critic-free estimators have no value model"),
+    Key("advantage_estimator", Choice(options=ADVANTAGE_ESTIMATORS), "gae",
+        "`gae` (PPO with a value model), or critic-free, with no value model: `grpo`, `dr_grpo`, "
+        "`rloo`, `reinforce_plus_plus`, `reinforce_plus_plus_baseline`; see [Algorithms](#algorithms)"),
+    Key("num_samples_per_prompt", Count(), 1,
+        "responses generated per prompt (a group). `batch_size` counts prompts, so a step has "
+        "`batch_size * num_samples_per_prompt` responses; `forward_batch_size` and `ppo_batch_size` "
+        "count responses and must divide that. `grpo`, `dr_grpo`, `rloo` and "
+        "`reinforce_plus_plus_baseline` need at least 2"),
     # A `_component_` block (torchtune's PPOLoss) keeps its own defaults instead of these.
     Key("loss", LOSS, LOSS.defaults(),
         "PPO loss: the plain keys below, or torchtune's `PPOLoss` `_component_` block (which keeps "

@@ -21,7 +21,7 @@ from torchtune_ppo.ppo.packing import block_causal_masks
 
 def packed_ppo_loss_step(
     policy_model: nn.Module,
-    value_model: nn.Module,
+    value_model: Optional[nn.Module],
     tokens: torch.Tensor,
     segment_ids: torch.Tensor,
     position_ids: torch.Tensor,
@@ -58,7 +58,8 @@ def packed_ppo_loss_step(
 
     Args:
         policy_model (nn.Module): the trained policy.
-        value_model (nn.Module): the trained value model (a ``[D, 1]`` output layer).
+        value_model (Optional[nn.Module]): the trained value model (a ``[D, 1]`` output layer);
+            None for a critic-free run: no value forward, and the value loss is 0.
         tokens (torch.Tensor): ``[R, L]``.
         segment_ids (torch.Tensor): ``[R, L]``, one id per packed sequence.
         position_ids (torch.Tensor): ``[R, L]``.
@@ -97,8 +98,11 @@ def packed_ppo_loss_step(
     h = final_hidden_states(policy_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
     pi_logprobs, entropy = rlhf.read_logprobs_and_entropy(
         policy_model.output, h, read_positions, targets, temperature, entropy_grad=entropy_coeff != 0)  # [C, K]
-    h = final_hidden_states(value_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
-    phi_values = rlhf.read_values(value_model.output, h, read_positions)  # [C, K]
+    if value_model is not None:
+        h = final_hidden_states(value_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
+        phi_values = rlhf.read_values(value_model.output, h, read_positions)  # [C, K]
+    else:  # critic-free: no value forward, no value loss
+        phi_values = old_values
 
     tl = rlhf.ppo_token_losses(
         old_logprobs, pi_logprobs, advantages, old_values, phi_values, returns,
@@ -106,6 +110,8 @@ def packed_ppo_loss_step(
         epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip=dual_clip,
     )
     policy_losses, value_losses, ratios, clipped = tl[:4]
+    if value_model is None:
+        value_losses = torch.zeros_like(policy_losses)
     token_losses = policy_losses + value_coeff * 0.5 * value_losses
     kl = kl_loss_estimate(pi_logprobs if kl_coeff else pi_logprobs.detach(), ref_logprobs, kl_estimator)
     if entropy_coeff:  # Python floats: the graph is specialised on which terms are on

@@ -87,13 +87,13 @@ class PPOUpdate:
 
     Args:
         policy_model (nn.Module): the trained policy.
-        value_model (nn.Module): the trained value model.
+        value_model (Optional[nn.Module]): the trained value model; None for a critic-free run.
         optimizer (Any): over both models' parameters; an ``InBackwardOptimizer`` when
             ``optimizer_in_bwd``.
         lr_scheduler (Optional[Any]): stepped after each applied optimizer step.
         loss_step (Callable): :func:`~torchtune_ppo.ppo.loss_step.packed_ppo_loss_step`,
             compiled or not (:func:`torchtune_ppo.compile.regions`).
-        batch_size (int): global prompts per step.
+        batch_size (int): global rows (responses) per step.
         ppo_batch_size (int): global rows per minibatch.
         ppo_epochs (int): passes over the batch.
         gradient_accumulation_steps (int): micro-batches per minibatch.
@@ -111,7 +111,7 @@ class PPOUpdate:
     def __init__(
         self,
         policy_model: nn.Module,
-        value_model: nn.Module,
+        value_model: Optional[nn.Module],
         optimizer,
         lr_scheduler,
         loss_step: Callable,
@@ -225,7 +225,7 @@ class PPOUpdate:
         if step <= self.critic_warmup_steps:  # torch optimizers skip a parameter whose grad is None
             for p in self.policy_model.parameters():
                 p.grad = None
-        params = chain(self.policy_model.parameters(), self.value_model.parameters())
+        params = chain(*(m.parameters() for m in (self.policy_model, self.value_model) if m is not None))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=self._max_norm)
         if isinstance(grad_norm, torch.distributed.tensor.DTensor):  # sharded models: the global norm
             grad_norm = grad_norm.full_tensor()

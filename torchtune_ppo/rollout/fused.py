@@ -51,7 +51,7 @@ def score_trajectory(
     logprobs: Optional[torch.Tensor],
     policy_model: Optional[nn.Module],
     ref_policy_model: nn.Module,
-    value_model: nn.Module,
+    value_model: Optional[nn.Module],
     reward_fn: Optional[RewardFn],
     stop_token_ids: torch.Tensor,
     settings: ScoringSettings,
@@ -61,7 +61,7 @@ def score_trajectory(
     :func:`~torchtune_ppo.rollout.scoring.packed_score_trajectory`, with no packing plan and
     ``reward_fn`` in place of its reward model: a :data:`RewardFn` in the graph, e.g.
     :class:`~torchtune_ppo.rewards.model.ModelReward`, or None when ``scores`` are given.
-    ``value_model`` returns ``[b, S, 1]``.
+    ``value_model`` returns ``[b, S, 1]``; None for a critic-free run (the values are 0).
     """
     prompt_len, temperature = settings.prompt_len, settings.temperature
     query_responses, response_padding_masks, masks, position_ids = truncated(
@@ -77,9 +77,9 @@ def score_trajectory(
                                       responses, prompt_len, temperature)
 
     # step 3: values of the states before each response token
-    values = rlhf.response_values(
+    values = (torch.zeros_like(ref_logprobs) if value_model is None else rlhf.response_values(
         value_model(query_responses, mask=masks, input_pos=position_ids), prompt_len
-    )
+    ))
 
     # step 5: score the truncated pairs at each row's last valid token
     if reward_fn is not None:
@@ -133,7 +133,7 @@ def fused_rollout(
     noise: Optional[torch.Tensor],
     prompt_lens: torch.Tensor,
     ref_policy_model: nn.Module,
-    value_model: nn.Module,
+    value_model: Optional[nn.Module],
     reward_fn: RewardFn,
     stop_token_ids: torch.Tensor,
     settings: ScoringSettings,

@@ -41,7 +41,8 @@ class Rollout:
     Args:
         generator (Generator): the policy's generator.
         ref_policy_model (nn.Module): frozen reference policy.
-        value_model (nn.Module): value model, a ``[D, 1]`` output layer.
+        value_model (Optional[nn.Module]): value model, a ``[D, 1]`` output layer; None for a
+            critic-free run.
         reward (Union[ModelReward, FunctionReward]): a reward model, scored in the graph, or a
             function of the decoded texts.
         stop_token_ids (torch.Tensor): ``[n_stop]`` on the models' device.
@@ -58,7 +59,7 @@ class Rollout:
         self,
         generator: Generator,
         ref_policy_model: nn.Module,
-        value_model: nn.Module,
+        value_model: Optional[nn.Module],
         reward: Union[ModelReward, FunctionReward],
         stop_token_ids: torch.Tensor,
         settings: ScoringSettings,

@@ -145,7 +145,7 @@ def packed_score_trajectory(
     logprobs: Optional[torch.Tensor],
     policy_model: Optional[nn.Module],
     ref_policy_model: nn.Module,
-    value_model: nn.Module,
+    value_model: Optional[nn.Module],
     reward_model: Optional[nn.Module],
     stop_token_ids: torch.Tensor,
     plan: PackedScoring,
@@ -161,7 +161,8 @@ def packed_score_trajectory(
             None they are computed with ``policy_model`` (step 2).
         policy_model (Optional[nn.Module]): the policy, used only when ``logprobs`` is None.
         ref_policy_model (nn.Module): frozen reference policy.
-        value_model (nn.Module): the value model, a ``[D, 1]`` output layer.
+        value_model (Optional[nn.Module]): the value model, a ``[D, 1]`` output layer; None
+            for a critic-free run (the values are 0).
         reward_model (Optional[nn.Module]): a classifier with a ``[D, 1]`` output read at each
             row's last valid token (what :class:`~torchtune_ppo.rewards.model.ModelReward`
             wraps); None when ``scores`` come from outside (a function reward, run before).
@@ -196,8 +197,9 @@ def packed_score_trajectory(
         logprobs = to_rows(rlhf.read_logprobs(policy_model.output, hidden(policy_model), reads, targets, temperature))
     ref_logprobs = to_rows(rlhf.read_logprobs(ref_policy_model.output, hidden(ref_policy_model), reads,
                                               targets, temperature))
-    # step 3: values of the states before each response token
-    values = to_rows(rlhf.read_values(value_model.output, hidden(value_model), reads))
+    # step 3: values of the states before each response token (none for a critic-free run)
+    values = (torch.zeros_like(ref_logprobs) if value_model is None
+              else to_rows(rlhf.read_values(value_model.output, hidden(value_model), reads)))
     # step 5: the reward model at each row's last valid token
     if reward_model is not None:
         scores = reward_model.output(hidden(reward_model)[plan.last_positions])[:, 0].float()

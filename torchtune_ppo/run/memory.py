@@ -23,6 +23,7 @@ from torchtune import config as tt_config
 
 from torchtune_ppo import distributed, lora
 from torchtune_ppo.config import parse_compile
+from torchtune_ppo.ppo.advantages import uses_value_model
 from torchtune_ppo.ppo.packing import default_rows
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -131,21 +132,28 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     LoRA value model trains its adapters and head only; the reward model keeps its own copy.
     Its activations are counted as a full policy's: the backward still runs through every
     frozen layer to reach the adapters below it.
+
+    A critic-free ``advantage_estimator`` has no value model: no value parameters, gradients,
+    optimizer state or activations, and only the reward model (if any) beside the policies.
     """
     W = world_size
     dtype_bytes = _DTYPE_BYTES[cfg.dtype]
-    policy, value = _meta(cfg.policy_model), _meta(cfg.reward_and_value_model)
-    n_policy, n_value = _numel(policy), _numel(value)
-    adapted, value_adapted = lora.has_adapters(policy), lora.has_adapters(value)
+    policy = _meta(cfg.policy_model)
+    # None: a critic-free run with a function reward builds no model of this kind
+    value = None if cfg.reward_and_value_model is None else _meta(cfg.reward_and_value_model)
+    n_policy, n_value = _numel(policy), 0 if value is None else _numel(value)
+    # A critic-free estimator has no value model: no parameters, gradients, state or activations.
+    critic = uses_value_model(cfg.advantage_estimator)
+    adapted, value_adapted = lora.has_adapters(policy), critic and lora.has_adapters(value)
     n_adapters = sum(p.numel() for p in lora.get_adapter_params(policy).values())
     # a LoRA value model trains its adapters and its head
     n_value_trained = (sum(p.numel() for p in lora.get_adapter_params(value).values())
                        + sum(p.numel() for p in value.output.parameters())) if value_adapted else n_value
-    trained = (n_adapters if adapted else n_policy) + n_value_trained
+    trained = (n_adapters if adapted else n_policy) + (n_value_trained if critic else 0)
     seq_len = (prompt_len or cfg.max_prompt_len or 0) + cfg.max_generated_tokens
     optimizer_name = str(cfg.optimizer.get("_component_", "")).rsplit(".", 1)[-1]
     states = _OPTIMIZER_STATES.get(optimizer_name, 2.0)
-    biggest = max(p.numel() for p in [*policy.parameters(), *value.parameters()])
+    biggest = max(p.numel() for p in [*policy.parameters(), *(value.parameters() if critic else ())])
     micro = cfg.ppo_batch_size // W // cfg.gradient_accumulation_steps
     # The loss step packs a micro-batch's real tokens into rows of P + T - 1 (packing.py).
     rows_per_step = default_rows(micro)
@@ -153,7 +161,7 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     vocab = policy.tok_embeddings.num_embeddings
     per_token_layer = (2 if cfg.enable_activation_checkpointing else 16) * embed_dim
     logit_copies = 2 if cfg.loss.get("entropy_coeff", 0) else 1
-    layers = len(policy.layers) + len(value.layers)
+    layers = len(policy.layers) + (len(value.layers) if critic else 0)
     paged = optimizer_name.startswith(_PAGED_PREFIX)
     frozen = 1 / W if cfg.shard_frozen_models else 1.0  # share of a frozen model per device
     # 1 process: "(0.16B each)"; W: "(0.16B; policy 1/8, reference whole)"
@@ -166,13 +174,18 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
         f"policy parameters (base {(n_policy - n_adapters) / 1e9:.2f}B + adapters "
         f"{n_adapters / 1e6:.1f}M; reference: the base)": n_policy * dtype_bytes,
     }
+    if critic:
+        value_row = {f"value + reward parameters ({n_value / 1e9:.2f}B"
+                     f"{shares.format('value', 'reward') if W > 1 else ' each'})": (1 / W + frozen) * n_value * dtype_bytes}
+    else:  # the frozen reward model only, if the reward is not a function
+        share = "" if W == 1 else f", {'1/' + str(W) if frozen < 1 else 'whole'}"
+        value_row = {f"reward parameters ({n_value / 1e9:.2f}B{share}; no value model)":
+                     frozen * n_value * dtype_bytes if cfg.reward is None else 0.0}
+    value_grads = f" + value{' adapters + head' if value_adapted else ''}" if critic else ""
     rows = {
         **policy_row,
-        f"value + reward parameters ({n_value / 1e9:.2f}B"
-        f"{shares.format('value', 'reward') if W > 1 else ' each'})":
-            (1 / W + frozen) * n_value * dtype_bytes,
-        f"gradients (policy{' adapters' if adapted else ''} + value{' adapters + head' if value_adapted else ''}"
-        f"{'' if W == 1 else f', 1/{W}'})":
+        **value_row,
+        f"gradients (policy{' adapters' if adapted else ''}{value_grads}{'' if W == 1 else f', 1/{W}'})":
             (biggest if cfg.optimizer_in_bwd else trained / W) * dtype_bytes,
         f"optimizer state ({optimizer_name or 'AdamW'}, {states:g} per parameter"
         f"{'' if W == 1 else f', 1/{W}'}{'; paged to host memory, not counted' if paged else ''})":
@@ -187,12 +200,12 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
         compile_cfg = parse_compile(cfg.compile)
         # Generation gathers the policy; compiled scoring, afterwards, the scoring models (the
         # value model, and the frozen ones when sharded); compile.rollout all of them at once.
-        scoring, names = n_value, ["value"]
+        scoring, names = (n_value, ["value"]) if critic else (0, [])
         if frozen < 1:
             scoring, names = scoring + n_policy + n_value, names + ["reference", "reward"]
-        if compile_cfg.rollout:
+        if compile_cfg.rollout and names:
             gathered, label = n_policy + scoring, f"policy + {' + '.join(names)}"
-        elif compile_cfg.trajectory:
+        elif compile_cfg.trajectory and names:
             gathered = max(n_policy, scoring)
             label = f"policy, then {' + '.join(names)}"
         else:

@@ -1,0 +1,88 @@
+"""GRPO through `tune run` on the tiny task: groups of 2 responses per prompt, no value model
+built, trained or saved; resume repeats the uninterrupted run; compiled scoring and loss step
+(with no value model) match eager and do not recompile after step 1."""
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from torchtune_ppo.checkpointing.store import load_training_state
+from torchtune_ppo.run.logs import read_disk_log
+from torchtune_ppo.tasks.tiny_sentiment import tiny_policy
+
+from test_recipe import run_recipe
+
+GRPO = ["advantage_estimator=grpo", "num_samples_per_prompt=2", "num_ppo_steps=3", "save_every_n_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def eager_grpo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo") / "eager"
+    proc, rows = run_recipe(out, *GRPO, "compile=False")
+    return out, proc, rows
+
+
+def test_grpo_run_has_no_value_model(eager_grpo):
+    out, proc, rows = eager_grpo
+    assert len(rows) == 3
+    for row in rows:
+        assert math.isfinite(row["loss"]) and row["loss"] == row["policy_loss"] and row["value_loss"] == 0
+        assert 0 <= row["zero_std_groups"] <= 1 and row["group_score_std"] >= 0
+        assert row["num_stop_tokens"] <= 16  # 8 prompts x 2 responses
+    assert "value_checkpointer is ignored" in proc.stderr
+    assert "no value model" in proc.stderr  # the memory plan
+    for step in (2, 3):
+        ckpt = out / "checkpoints" / f"step_{step}"
+        assert sorted(p.name for p in ckpt.iterdir()) == ["COMPLETE", "config.yaml", "policy", "training_state.pt"]
+    # the optimizer holds the policy's parameters only
+    state = load_training_state(out / "checkpoints/step_3")
+    n_policy = len(list(tiny_policy().parameters()))
+    assert [len(g["params"]) for g in state["optimizer"]["param_groups"]] == [n_policy]
+
+
+def test_grpo_resume_repeats_the_uninterrupted_run(eager_grpo, tmp_path):
+    out, _, rows = eager_grpo
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints/step_3")
+    shutil.rmtree(resumed / "logs")
+    _, again = run_recipe(resumed, *GRPO, "compile=False", "resume_from_checkpoint=True")
+    assert len(again) == 1
+    for key in ("scores", "kl", "loss", "policy_loss", "ratios", "group_score_std", "zero_std_groups"):
+        assert again[0][key] == pytest.approx(rows[2][key], rel=1e-6, abs=1e-7), key
+
+
+def test_compiled_grpo_matches_eager_without_recompiles(eager_grpo, tmp_path):
+    _, _, eager = eager_grpo
+    _, rows = run_recipe(tmp_path / "compiled", *GRPO, "compile.generate=False", "compile.trajectory=True",
+                         "compile.loss_step=True", "compile.rollout=False")
+    assert len(rows) == 3 and [r["recompiles"] for r in rows[1:]] == [0, 0]
+    for step in range(3):
+        # as test_recipe.test_all_compiled_matches_eager: same sampled tokens, fp32 summation order
+        for key in ("scores", "response_lengths", "group_score_std"):
+            assert rows[step][key] == pytest.approx(eager[step][key], rel=1e-3, abs=1e-3), (step, key)
+        for key in ("loss", "policy_loss", "kl", "approx_policy_kl"):
+            assert rows[step][key] == pytest.approx(eager[step][key], rel=2e-2, abs=2e-4), (step, key)
+        assert rows[step]["value_loss"] == 0
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_two_processes_match_one_without_a_value_model(tmp_path):
+    """REINFORCE++ with 2 greedy responses per prompt: each rank repeats its own prompts, whitens
+    over both ranks, shards and saves the policy only; the logged numbers are the 1-process run's."""
+    from test_distributed import _assert_rows_match, _run
+
+    options = ("advantage_estimator=reinforce_plus_plus", "num_samples_per_prompt=2",
+               "forward_batch_size=16", "ppo_batch_size=16")  # one minibatch of the 16 responses
+    one = _run(tmp_path / "one", 1, *options)
+    two = _run(tmp_path / "two", 2, *options)
+    assert len(one) == len(two) == 3
+    _assert_rows_match(one, two)
+    for a, b in zip(one, two):
+        assert a["value_loss"] == b["value_loss"] == 0
+        # greedy: both responses of a group are the same
+        assert a["zero_std_groups"] == b["zero_std_groups"] == 1.0
+    assert sorted(p.name for p in (tmp_path / "two/checkpoints/step_3").iterdir()) == [
+        "COMPLETE", "config.yaml", "policy", "training_state.pt"]
