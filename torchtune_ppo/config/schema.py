@@ -383,7 +383,8 @@ SCHEMA: Tuple[Key, ...] = (
         "`k3` exp(-d) + d - 1 (verl's `low_var_kl`)"),
     Key("kl_target", Number(gt=0, optional=True), None,
         "adaptive KL (Ziegler et al.): after each step `kl_coeff *= 1 + clip(kl / kl_target - 1, "
-        "-0.2, 0.2) * batch_size / kl_horizon`, kl the mean per-sequence KL; null: `kl_coeff` fixed"),
+        "-0.2, 0.2) * n / kl_horizon`, n = batch_size * num_samples_per_prompt sequences, kl the "
+        "mean per-sequence KL; null: `kl_coeff` fixed"),
     Key("kl_horizon", Number(gt=0), 10000, "the adaptive KL's horizon, in sequences"),
     Key("whiten_rewards", Bool(), False,
         "whiten the per-token rewards before GAE (torchtune's key; its default is off)"),
