@@ -5,7 +5,6 @@ transformers loads, exact resume, compiled equal to eager with no recompiles."""
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from torchtune_ppo import checkpointing, lora
 from torchtune_ppo.run.logs import read_disk_log
 from torchtune_ppo.tasks.tiny_sentiment import tiny_lora_policy, tiny_lora_reward, tiny_reward
 
-from conftest import ROOT, SMALL, TINY_CONFIG, TUNE
+from conftest import ROOT, SMALL, TINY_CONFIG, TUNE, assert_compiled_matches_eager
 
 LORA = ROOT / "recipes/configs/tiny/ppo_tiny_sentiment_lora.yaml"
 SAVE_EVERY_2 = ["save_every_n_steps=2", "keep_last_n_checkpoints=null"]
@@ -162,13 +161,7 @@ def test_compiled_matches_eager_with_no_recompiles(runs, tmp_path):
     _run(tmp_path / "run", "num_ppo_steps=4", "compile=True")
     compiled = read_disk_log(tmp_path / "run" / "logs")
     assert [row["recompiles"] for row in compiled[1:]] == [0, 0, 0]
-    # tolerances as tests/e2e/test_recipe.py's compiled-vs-eager test, for the same reasons
-    for step in range(4):
-        for key in ("scores", "response_lengths", "num_stop_tokens"):
-            assert compiled[step][key] == pytest.approx(eager[step][key], rel=1e-3, abs=1e-3), (step, key)
-        for key in ("loss", "policy_loss", "value_loss", "kl", "approx_policy_kl"):
-            assert compiled[step][key] == pytest.approx(eager[step][key], rel=2e-2, abs=2e-4), (step, key)
-        assert compiled[step]["ratios"] - 1 == pytest.approx(eager[step]["ratios"] - 1, rel=2e-2, abs=2e-5), step
+    assert_compiled_matches_eager(compiled, eager, steps=4)
 
 
 def test_critic_free_lora_run_trains_and_saves_the_policy_adapters_only(tmp_path):
