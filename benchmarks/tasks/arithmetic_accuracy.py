@@ -27,7 +27,8 @@ import build_tiny_arithmetic as build  # noqa: E402
 
 
 def load_policy(folder: Path) -> torch.nn.Module:
-    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    # model*.safetensors: a LoRA run's folder also holds adapter_model.safetensors
+    files = sorted(p.name for p in folder.glob("model*.safetensors"))
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = FullModelHFCheckpointer(checkpoint_dir=str(folder), checkpoint_files=files,
                                        model_type="LLAMA2", output_dir=tmp)

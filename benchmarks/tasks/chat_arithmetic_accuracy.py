@@ -32,7 +32,8 @@ PREPARED = Path(os.environ.get("TORCHTUNE_PPO_SMOLLM2_DIR", "~/.cache/torchtune_
 
 
 def load_policy(folder: Path) -> torch.nn.Module:
-    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    # model*.safetensors: a LoRA run's folder also holds adapter_model.safetensors
+    files = sorted(p.name for p in folder.glob("model*.safetensors"))
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = FullModelHFCheckpointer(checkpoint_dir=str(folder), checkpoint_files=files,
                                        model_type="LLAMA3_2", output_dir=tmp)

@@ -13,7 +13,9 @@
   state dict.
 - SmolLM2 (Llama layers, plain RoPE, tied embeddings), which torchtune has no builder for:
   ``smollm2_135m`` (policy), ``smollm2_135m_classifier`` (value / reward model), component
-  builders ``smollm2`` and ``smollm2_classifier``, and ``smollm2_tokenizer``; checkpoints
+  builders ``smollm2`` and ``smollm2_classifier``, with LoRA adapters ``lora_smollm2_135m``,
+  ``lora_smollm2_135m_classifier`` (``lora_smollm2``, ``lora_smollm2_classifier``), and
+  ``smollm2_tokenizer``; checkpoints
   load with ``model_type`` ``LLAMA3_2``. ``tools/prepare_smollm2.py`` writes the checkpoint.
 - :class:`HFChatTokenizer` (builder ``hf_chat_tokenizer``): a torchtune model tokenizer over a
   Hugging Face ``tokenizer.json`` that renders messages with the model's chat template;
@@ -51,6 +53,10 @@ from torchtune_ppo.models._model_builders import (
     qwen2_5_7b_classifier,
 )
 from torchtune_ppo.models._smollm2 import (
+    lora_smollm2,
+    lora_smollm2_135m,
+    lora_smollm2_135m_classifier,
+    lora_smollm2_classifier,
     smollm2,
     smollm2_135m,
     smollm2_135m_classifier,
@@ -79,6 +85,10 @@ __all__ = [
     "qwen2_5_7b_classifier",
     "qwen2_classifier",
     "render_chat_prompt",
+    "lora_smollm2",
+    "lora_smollm2_135m",
+    "lora_smollm2_135m_classifier",
+    "lora_smollm2_classifier",
     "smollm2",
     "smollm2_135m",
     "smollm2_135m_classifier",
