@@ -27,6 +27,10 @@ loss step run with the adapters on, the scoring region (which holds the referenc
 the policy's adapters off; the switch flips only between regions, in eager code
 (:class:`~torchtune_ppo.rollout.Rollout`). ``compile.rollout``, one region for generation and
 scoring, would need both states in one graph and is refused for a LoRA policy.
+
+Under torchrun a LoRA model is sharded like a full one (:func:`torchtune_ppo.distributed.shard`:
+base and adapters of a layer in one FSDP2 group); the switch is the same attribute on the same
+``LoRALinear`` modules, and the state dicts here gather FSDP2's shards into whole tensors.
 """
 
 import contextlib
