@@ -102,3 +102,18 @@ def test_resume_under_two_processes_repeats_the_run(runs, tmp_path):
     for model in ("policy", "value"):
         a, b = (checkpointing.load_adapters(_step(out, 3), model) for out in (two, resumed))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), model
+
+
+def test_two_process_checkpoint_resumes_on_one_process(runs, tmp_path):
+    """The 2-process step_2 on 1 process: the optimizer state is keyed by parameter name with
+    whole tensors, so step 3 is the uninterrupted 1-process run's (within the tolerance of the
+    2-process updates before it)."""
+    _, one, two, _ = runs
+    resumed = tmp_path / "resumed"
+    shutil.copytree(two, resumed)
+    shutil.rmtree(_step(resumed, 3))
+    shutil.rmtree(resumed / "logs")
+    again = _run(resumed, 1, "resume_from_checkpoint=True", config=LORA)
+    assert len(again) == 1
+    for key in ("scores", "kl", "loss", "policy_loss", "value_loss", "ratios"):
+        assert again[0][key] == pytest.approx(one[2][key], rel=1e-3, abs=1e-5), (key, one[2], again[0])
