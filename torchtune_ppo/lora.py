@@ -214,15 +214,15 @@ def merged_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, torch.
 
     Args:
         model (nn.Module): the LoRA model (its settings are read from it).
-        state_dict (Optional[Mapping[str, torch.Tensor]]): its full state dict, adapters
-            included, e.g. gathered from FSDP2's shards onto rank 0
+        state_dict (Optional[Mapping[str, torch.Tensor]]): its full state dict on the CPU,
+            adapters included, gathered from FSDP2's shards onto rank 0
             (:func:`torchtune_ppo.distributed.full_state_dict`; empty on the other ranks, which
-            then get an empty dict). Default: ``model.state_dict()`` of an unsharded model.
+            then get an empty dict). Its tensors are merged in place: copies, never the model's
+            own. Default: a CPU copy of ``model.state_dict()`` (an unsharded model).
     """
     settings = lora_settings(model)
-    if state_dict is None:
-        state_dict = model.state_dict()
-    state = {n: t.detach().to("cpu", copy=True) for n, t in state_dict.items()}
+    state = (dict(state_dict) if state_dict is not None
+             else {n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()})
     return get_merged_lora_ckpt(state, rank=settings.rank, alpha=settings.alpha)
 
 
