@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torchtune import modules, training
 
+from torchtune_ppo import lora
 from torchtune_ppo._patches.fsdp import set_aside_forward_hooks
 
 
@@ -103,7 +104,16 @@ def shard(model: nn.Module) -> None:
 
     Gradients are reduce-scattered as sums, not means: the loss step weights each token by
     ``1 / (global valid tokens)``, so each rank's gradient is already its share of the global one.
+
+    A LoRA model is sharded the same way, as torchtune's ``lora_finetune_distributed`` does: the
+    frozen base and the adapters of a layer in one FSDP2 group, only the adapters with gradients.
+    Its fresh adapters (``lora_a``) were drawn from each rank's own seed (torchtune's
+    ``set_seed`` adds the rank), so rank 0's are copied to every rank first: each rank then
+    keeps its shard of the one model the 1-process run would have.
     """
+    if world_size() > 1:
+        for p in lora.get_adapter_params(model).values():
+            dist.broadcast(p.data, src=0)
     training.shard_model(
         model, [lambda n, m: isinstance(m, modules.TransformerSelfAttentionLayer)], cpu_offload=False
     )
@@ -181,8 +191,8 @@ def keyed_by_name(optimizer_state: Dict[str, Any]) -> bool:
 
 def _by_name(models: Dict[str, nn.Module], optimizer_state: Dict[str, Any]) -> Dict[str, Any]:
     # Optimizer.state_dict() numbers the parameters in the order the optimizer was given them:
-    # the policy's, then the value model's.
-    names = [f"{prefix}.{n}" for prefix, m in models.items() for n, _ in m.named_parameters()]
+    # the policy's trained ones, then the value model's (a LoRA model's frozen base is not in it).
+    names = [f"{prefix}.{n}" for prefix, m in models.items() for n, p in m.named_parameters() if p.requires_grad]
     return {
         "state": {names[i]: v for i, v in optimizer_state["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]}

@@ -27,6 +27,10 @@ loss step run with the adapters on, the scoring region (which holds the referenc
 the policy's adapters off; the switch flips only between regions, in eager code
 (:class:`~torchtune_ppo.rollout.Rollout`). ``compile.rollout``, one region for generation and
 scoring, would need both states in one graph and is refused for a LoRA policy.
+
+Under torchrun a LoRA model is sharded like a full one (:func:`torchtune_ppo.distributed.shard`:
+base and adapters of a layer in one FSDP2 group); the switch is the same attribute on the same
+``LoRALinear`` modules, and the state dicts here gather FSDP2's shards into whole tensors.
 """
 
 import contextlib
@@ -34,6 +38,7 @@ from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Seq
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtune.modules.peft import (
     LoRALinear,
     disable_adapter,
@@ -178,23 +183,46 @@ def load_adapters(model: nn.Module, adapters: Mapping[str, torch.Tensor], source
     model.load_state_dict(dict(adapters), strict=False)
 
 
+def _full_cpu(t: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy of ``t``, whole: an FSDP2 shard (a ``DTensor``) is all-gathered
+    first, a collective every rank must enter in the same order."""
+    t = t.detach()
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.to("cpu", copy=True)
+
+
 def adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The adapter parameters of a LoRA ``model``, detached on the CPU, in torchtune's names."""
-    return {n: p.detach().to("cpu", copy=True) for n, p in get_adapter_params(model).items()}
+    """The adapter parameters of a LoRA ``model``, whole, detached on the CPU, in torchtune's
+    names. Under FSDP2 every rank must call it (each adapter is all-gathered; all ranks get
+    them: a few MB)."""
+    return {n: _full_cpu(p) for n, p in get_adapter_params(model).items()}
 
 
 def head_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The parameters trained whole beside the adapters (a value model's head), on the CPU."""
+    """The parameters trained whole beside the adapters (a value model's head), whole on the
+    CPU; under FSDP2 every rank must call it, as :func:`adapter_state_dict`."""
     adapters = set(get_adapter_params(model))
-    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()
+    return {n: _full_cpu(p) for n, p in model.named_parameters()
             if p.requires_grad and n not in adapters}
 
 
-def merged_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+def merged_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = None
+                      ) -> Dict[str, torch.Tensor]:
     """``model``'s weights with each adapter merged in (``W + alpha / rank * B A``): the state
-    dict of the plain (non-LoRA) model, on the CPU."""
+    dict of the plain (non-LoRA) model, on the CPU.
+
+    Args:
+        model (nn.Module): the LoRA model (its settings are read from it).
+        state_dict (Optional[Mapping[str, torch.Tensor]]): its full state dict on the CPU,
+            adapters included, gathered from FSDP2's shards onto rank 0
+            (:func:`torchtune_ppo.distributed.full_state_dict`; empty on the other ranks, which
+            then get an empty dict). Its tensors are merged in place: copies, never the model's
+            own. Default: a CPU copy of ``model.state_dict()`` (an unsharded model).
+    """
     settings = lora_settings(model)
-    state = {n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()}
+    state = (dict(state_dict) if state_dict is not None
+             else {n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()})
     return get_merged_lora_ckpt(state, rank=settings.rank, alpha=settings.alpha)
 
 

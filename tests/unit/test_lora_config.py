@@ -61,10 +61,21 @@ def test_a_lora_value_model_is_valid_and_planned_with_adapter_gradients():
     assert "value adapters + head" in list(plan.rows)[2]
 
 
-def test_lora_under_torchrun_is_refused(monkeypatch):
+def test_lora_under_torchrun_is_accepted_and_planned_per_device(monkeypatch):
+    # 2 processes: the LoRA policy (base and adapters) is sharded like a trained model, and
+    # compiled scoring gathers it whole again as the reference, beside the value model.
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"WORLD_SIZE=2\) is not supported yet"):
-        validate_config(_cfg())
+    cfg = validate_config(_cfg(LORA, "compile.trajectory=True"))
+    one, two = memory.memory_plan(cfg), memory.memory_plan(cfg, world_size=2)
+    n_policy = sum(p.numel() for p in tiny_lora_policy(["q_proj", "k_proj", "v_proj", "output_proj"],
+                                                       apply_lora_to_mlp=True).parameters())
+    n_value = sum(p.numel() for p in tiny_lora_reward(["q_proj", "k_proj", "v_proj", "output_proj"],
+                                                      apply_lora_to_mlp=True).parameters())
+    assert list(one.rows.values())[0] == n_policy * 4 and list(two.rows.values())[0] == n_policy * 4 / 2
+    assert "; 1/2)" in list(two.rows)[0]
+    gathered = [(k, v) for k, v in two.rows.items() if k.startswith("gathered")]
+    assert gathered == [("gathered whole for the rollout (policy, then value + reference)",
+                         (n_policy + n_value) * 4)]
 
 
 def test_memory_plan_counts_one_policy_copy_and_adapter_gradients_only():

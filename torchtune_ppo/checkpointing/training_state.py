@@ -135,8 +135,10 @@ class CheckpointClient:
         adapters = {name: (lora.adapter_state_dict(m), lora.peft_adapter_config(m), lora.head_state_dict(m))
                     for name, m in self.models.items() if lora.has_adapters(m)}
         merge = final and self.merge_adapters_at_end
-        weights = {name: (lora.merged_state_dict(m) if merge else None) if name in adapters
-                   else distributed.full_state_dict(m) for name, m in self.models.items()}
+        # Merged on rank 0, from the whole tensors gathered from FSDP2's shards (fresh copies).
+        weights = {name: (lora.merged_state_dict(m, distributed.full_state_dict(m) if world > 1 else None)
+                          if merge else None)
+                   if name in adapters else distributed.full_state_dict(m) for name, m in self.models.items()}
         if distributed.rank() == 0:
             extra = {"adapters": adapters} if adapters else {}
             self.manager.save(step, weights["policy"], weights.get("value"), state, self.run_config, **extra)

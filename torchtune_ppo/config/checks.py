@@ -465,11 +465,6 @@ def _check_lora(cfg: DictConfig, models: Dict[str, torch.nn.Module]) -> None:
         raise ValueError(
             f"optimizer_in_bwd=True with a LoRA {' and '.join(adapted)}: its point, never holding "
             "every gradient, does not apply to adapters (a few MB). Set optimizer_in_bwd=False.")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ValueError(
-            f"a LoRA {' and '.join(adapted)} under torchrun (WORLD_SIZE={world}) is not supported "
-            "yet; run it on one process.")
     if "policy_model" not in adapted:
         return
     ref = cfg.ref_policy_checkpointer

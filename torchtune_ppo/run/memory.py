@@ -127,9 +127,9 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     model and the sharded frozen models while scoring; with ``compile.rollout`` all of them
     at once). That row and the gradients never coexist; the total counts both.
 
-    A LoRA policy (one process) is one copy of its base and adapters, which is also the
-    reference; only its adapters (and the value model) have gradients and optimizer state. A
-    LoRA value model trains its adapters and head only; the reward model keeps its own copy.
+    A LoRA policy is one copy of its base and adapters (``1/W`` of it on ``W`` processes), which
+    is also the reference; only its adapters (and the value model) have gradients and optimizer
+    state. A LoRA value model trains its adapters and head only; the reward model keeps its own copy.
     Its activations are counted as a full policy's: the backward still runs through every
     frozen layer to reach the adapters below it.
 
@@ -170,9 +170,9 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
         f"policy + reference parameters ({n_policy / 1e9:.2f}B"
         f"{shares.format('policy', 'reference') if W > 1 else ' each'})":
             (1 / W + frozen) * n_policy * dtype_bytes,
-    } if not adapted else {
+    } if not adapted else {  # sharded like a trained model, base included
         f"policy parameters (base {(n_policy - n_adapters) / 1e9:.2f}B + adapters "
-        f"{n_adapters / 1e6:.1f}M; reference: the base)": n_policy * dtype_bytes,
+        f"{n_adapters / 1e6:.1f}M; reference: the base{'' if W == 1 else f'; 1/{W}'})": n_policy * dtype_bytes / W,
     }
     if critic:
         value_row = {f"value + reward parameters ({n_value / 1e9:.2f}B"
@@ -201,8 +201,10 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
         # Generation gathers the policy; compiled scoring, afterwards, the scoring models (the
         # value model, and the frozen ones when sharded); compile.rollout all of them at once.
         scoring, names = (n_value, ["value"]) if critic else (0, [])
+        if adapted or frozen < 1:  # a LoRA policy's reference is the (sharded) policy itself
+            scoring, names = scoring + n_policy, names + ["reference"]
         if frozen < 1:
-            scoring, names = scoring + n_policy + n_value, names + ["reference", "reward"]
+            scoring, names = scoring + n_value, names + ["reward"]
         if compile_cfg.rollout and names:
             gathered, label = n_policy + scoring, f"policy + {' + '.join(names)}"
         elif compile_cfg.trajectory and names:
