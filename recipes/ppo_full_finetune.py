@@ -176,9 +176,12 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                      reward_head: Optional[Dict] = None) -> torch.nn.Module:
         """Builds, loads and freezes one model; a LoRA value model whose checkpoint is the reward
         model's also puts that checkpoint's head (frozen) in ``reward_head["output"]``."""
+        rng = checkpointing.capture_rng_state()
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model)
         adapters = lora.has_adapters(model)
+        if adapters and not trainable:  # a LoRA reward model's adapters stay off: their random init
+            checkpointing.restore_rng_state(rng)  # draws nothing, as with a shared base (none built)
         # A LoRA model's base always comes from its own checkpointer; a resume adds the adapters.
         checkpointer = config.instantiate(cfg[checkpointer_key], **({} if adapters else overrides))
         state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
