@@ -35,6 +35,7 @@ from torchtune_ppo.config import (
     cpu_threads,
     instantiate_dataset,
     parse_compile,
+    shares_reward_value_base,
     validate_config,
     validate_dataset,
     validate_with_tokenizer,
@@ -158,24 +159,36 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._ref_policy_model = self._policy_model if lora.has_adapters(self._policy_model) else self._setup_model(
             cfg.policy_model, "ref_policy_checkpointer", {}, trainable=False, cfg=cfg)
         self._value_model = None  # critic-free estimators: no value model is built, trained or saved
+        reward_head = {}  # the reward checkpoint's head, when the reward model shares the value model's base
         if uses_value_model(cfg.advantage_estimator):
             self._value_model = self._setup_model(
                 cfg.reward_and_value_model, "value_checkpointer", weights.get("value", {}), trainable=True, cfg=cfg,
-                resume_from=resume_from and (resume_from, "value"), train_head=True)
+                resume_from=resume_from and (resume_from, "value"), train_head=True, reward_head=reward_head)
         if cfg.reward is not None:
             return None
+        if reward_head:  # one frozen base: the value model's, its adapters off, and the checkpoint's head
+            log.info("The reward model is the value model's base with its adapters off (share_reward_value_base).")
+            return lora.SharedBaseReward(self._value_model, reward_head["output"])
         return self._setup_model(cfg.reward_and_value_model, "reward_checkpointer", {}, trainable=False, cfg=cfg)
 
     def _setup_model(self, cfg_model: DictConfig, checkpointer_key: str, overrides: Dict, *,
-                     trainable: bool, cfg: DictConfig, resume_from=None, train_head: bool = False) -> torch.nn.Module:
+                     trainable: bool, cfg: DictConfig, resume_from=None, train_head: bool = False,
+                     reward_head: Optional[Dict] = None) -> torch.nn.Module:
+        """Builds, loads and freezes one model; a LoRA value model whose checkpoint is the reward
+        model's also puts that checkpoint's head (frozen) in ``reward_head["output"]``."""
+        rng = checkpointing.capture_rng_state()
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model)
         adapters = lora.has_adapters(model)
+        if adapters and not trainable:  # a LoRA reward model's adapters stay off: their random init
+            checkpointing.restore_rng_state(rng)  # draws nothing, as with a shared base (none built)
         # A LoRA model's base always comes from its own checkpointer; a resume adds the adapters.
         checkpointer = config.instantiate(cfg[checkpointer_key], **({} if adapters else overrides))
         state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
         checkpointing.check_shapes(model, state_dict, checkpointer_key)
         checkpointing.check_loaded_finite(state_dict, checkpointer_key)
+        if reward_head is not None and shares_reward_value_base(cfg, value_is_lora=adapters):
+            reward_head["output"] = lora.checkpoint_head(model, state_dict)  # before a resume loads the trained one
         if adapters:  # the base frozen; the adapters (and a value head) train, or stay off for good
             saved = (checkpointing.load_adapters(*resume_from), resume_from[0]) if trainable and resume_from else None
             lora.setup_lora_model(model, state_dict, checkpointer_key, trainable=trainable, train_head=train_head,

@@ -17,16 +17,21 @@ with ``lora_attn_modules``, ``apply_lora_to_mlp``, ``apply_lora_to_output``, ``l
 
 A ``reward_and_value_model`` built with a LoRA builder (``torchtune_ppo.models.lora_llama3_2_1b_classifier``,
 ...) gives a value model that trains its adapters and its head (:func:`head_names`; saved beside
-the adapters, :func:`head_state_dict`) and a reward model whose adapters are off for good
-(:func:`adapters_off_for_good`: never switched, so no region sees them change). The two keep
-separate bases.
+the adapters, :func:`head_state_dict`). When the value model starts from the reward model's
+checkpoint (``share_reward_value_base``), the reward model is :class:`SharedBaseReward`: the value
+model's frozen base with its adapters off, and a head of its own holding the checkpoint's head.
+Otherwise it is its own copy of the base, with its adapters off for good
+(:func:`adapters_off_for_good`: never switched, so no region sees them change).
 
 The adapters' switch is a Python attribute (``LoRALinear.disabled``) that a compiled region
-guards on. Each region here always sees it the same way, so none recompiles: generation and the
-loss step run with the adapters on, the scoring region (which holds the reference forward) with
-the policy's adapters off; the switch flips only between regions, in eager code
-(:class:`~torchtune_ppo.rollout.Rollout`). ``compile.rollout``, one region for generation and
-scoring, would need both states in one graph and is refused for a LoRA policy.
+guards on. Each region here always sees it the same way at its entry, so none recompiles:
+generation and the loss step run with the adapters on, the scoring region (which holds the
+reference forward) with the policy's adapters off; that switch flips only between regions, in
+eager code (:class:`~torchtune_ppo.rollout.Rollout`). ``compile.rollout``, one region for
+generation and scoring, would need both states in one graph and is refused for a LoRA policy.
+A :class:`SharedBaseReward` flips its base's adapters off and back on inside the scoring region
+(:func:`base_adapters_off`): dynamo traces the two writes, guards only on the value at entry
+(on, always), and the region still compiles once.
 
 Under torchrun a LoRA model is sharded like a full one (:func:`torchtune_ppo.distributed.shard`:
 base and adapters of a layer in one FSDP2 group); the switch is the same attribute on the same
@@ -34,7 +39,8 @@ base and adapters of a layer in one FSDP2 group); the switch is the same attribu
 """
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+import copy
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 import torch
 from torch import nn
@@ -47,11 +53,16 @@ from torchtune.modules.peft import (
     set_trainable_params,
 )
 
+from torchtune_ppo._patches.torchtune_modules import final_hidden_states
+
 __all__ = [
     "LoraSettings",
+    "SharedBaseReward",
     "adapter_state_dict",
     "adapters_off",
     "adapters_off_for_good",
+    "base_adapters_off",
+    "checkpoint_head",
     "get_adapter_params",
     "has_adapters",
     "head_names",
@@ -64,6 +75,8 @@ __all__ = [
     "setup_lora_model",
     "train_adapters_only",
 ]
+
+R = TypeVar("R")
 
 
 class LoraSettings(NamedTuple):
@@ -240,3 +253,76 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     around a whole region, never inside one: the switch is what compiled regions guard on."""
     with disable_adapter(model):
         yield
+
+
+def checkpoint_head(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
+    """A frozen copy of ``model.output`` holding the head of ``state_dict`` (``output.*``): the
+    reward model's head, read from the checkpoint the value model starts from."""
+    head = copy.deepcopy(model.output)
+    head.load_state_dict({n[len("output."):]: t for n, t in state_dict.items() if n.startswith("output.")})
+    return head.eval().requires_grad_(False)
+
+
+class SharedBaseReward(nn.Module):
+    """The reward model on the value model's frozen base: ``base``'s embeddings, layers and norm
+    with its adapters off, then ``head`` (the reward checkpoint's, frozen).
+
+    For a LoRA value model that starts from the reward model's checkpoint: the value model is
+    that base with its adapters on and its own trained head, so one copy of the base serves
+    both. The base is held by reference, not as a submodule: this module's only parameters are
+    the head's, so nothing is counted, saved or moved twice. With the adapters off a
+    ``LoRALinear`` computes ``F.linear(x, W, b)``, so the scores are those of a separate copy of
+    the base, bit for bit, at every step (the base never trains).
+
+    Args:
+        base (nn.Module): the LoRA value model (a ``TransformerDecoder``).
+        head (nn.Module): the reward model's head (:func:`checkpoint_head`).
+    """
+
+    def __init__(self, base: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.output = head
+        object.__setattr__(self, "base", base)  # not registered: its parameters are the value model's
+        # what base_adapters_off switches, in a plain list (not registered either)
+        self.base_adapters = [m for m in base.modules() if _is_adapter(m) and hasattr(m, "disabled")]
+
+    # The decoder's parts, so that code reading a TransformerDecoder's (final_hidden_states) runs on it.
+    @property
+    def tok_embeddings(self) -> nn.Module:
+        return self.base.tok_embeddings
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.base.layers
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.base.norm
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.base.max_seq_len
+
+    def forward(self, tokens: torch.Tensor, *, mask: Optional[torch.Tensor] = None,
+                input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Scores ``[b, s, num_classes]`` of ``tokens [b, s]`` (a ``TransformerDecoder``'s call)."""
+        return self.output(base_adapters_off(
+            self, lambda m: final_hidden_states(m, tokens, mask=mask, input_pos=input_pos)))
+
+
+def base_adapters_off(model: nn.Module, fn: Callable[[nn.Module], R]) -> R:
+    """``fn(model)`` with the base adapters of a :class:`SharedBaseReward` switched off, and on
+    again after; for any other model just ``fn(model)``.
+
+    Meant to run inside a compiled region: dynamo traces the switch's writes, replays the last
+    one (on) after the graph, and guards only on the value at entry, always on, so the region
+    compiles once (``tests/parity/test_shared_base.py`` counts it).
+    """
+    adapters = model.base_adapters if isinstance(model, SharedBaseReward) else ()
+    for m in adapters:
+        m.disabled = True
+    try:
+        return fn(model)
+    finally:
+        for m in adapters:
+            m.disabled = False

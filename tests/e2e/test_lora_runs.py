@@ -1,6 +1,8 @@
 """LoRA PPO end to end through `tune run` on the tiny task: the first step is the full model's,
 only adapters train, adapter checkpoints in PEFT layout, merged weights at the end that
-transformers loads, exact resume, compiled equal to eager with no recompiles."""
+transformers loads, exact resume, compiled equal to eager with no recompiles. The LoRA config's
+value model starts from the reward checkpoint, so its reward model is the value model's base
+with the adapters off (share_reward_value_base): every run here but `two_bases` shares it."""
 
 import json
 import os
@@ -32,6 +34,7 @@ def _run(out, *overrides, config=LORA):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)  # the last run's console
     return read_disk_log(out / "logs")  # this run's rows only
 
 
@@ -45,6 +48,13 @@ def runs(tmp_path_factory):
                   "resume_from_checkpoint=True")
     full = _run(base / "full", "num_ppo_steps=1", config=TINY_CONFIG)
     return straight, rows, resumed, first, second, full
+
+
+@pytest.fixture(scope="module")
+def two_bases(runs):
+    """The straight run again with a separate copy of the base for the reward model."""
+    out = runs[0].parent / "two_bases"
+    return out, _run(out, "num_ppo_steps=4", *SAVE_EVERY_2, "share_reward_value_base=False")
 
 
 def _step(out, n):
@@ -137,6 +147,29 @@ def test_merged_value_model_is_the_adapted_one(runs, tmp_path):
     values = adapted.eval()(tokens)
     assert not torch.equal(merged["output.weight"], base["output.weight"])  # the head trained
     torch.testing.assert_close(plain.eval()(tokens), values, atol=1e-5, rtol=1e-5)
+
+
+def test_one_shared_base_repeats_the_run_with_two_bases_exactly(runs, two_bases):
+    """The reward model on the value model's base (adapters off, the checkpoint's head) against
+    its own copy: every logged number of every step, and the saved adapters, bit for bit."""
+    straight, rows, *_ = runs
+    separate, other = two_bases
+    assert len(rows) == len(other) == 4
+    for step, (a, b) in enumerate(zip(rows, other), 1):
+        for key, value in a.items():
+            if not key.startswith("time/") and "per_second" not in key:
+                assert b[key] == value, (step, key)
+    for n, model in [(2, "policy"), (4, "policy"), (2, "value"), (4, "value")]:
+        a, b = (checkpointing.load_adapters(_step(out, n), model) for out in (straight, separate))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (n, model)
+    # the reward head is never saved: the value model's adapters and head, as with two bases
+    for out in (straight, separate):
+        assert sorted(p.name for p in _step(out, 2).iterdir()) == [
+            "COMPLETE", "config.yaml", "policy", "training_state.pt", "value"]
+    console = (straight.parent / "straight.log").read_text()
+    assert "The reward model is the value model's base with its adapters off" in console
+    assert "value + reward parameters (one " in console  # the memory plan counts one base
+    assert "value + reward parameters (one " not in (separate.parent / "two_bases.log").read_text()
 
 
 def test_resume_from_the_adapter_checkpoint_repeats_the_uninterrupted_run(runs):

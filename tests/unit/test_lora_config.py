@@ -92,3 +92,34 @@ def test_memory_plan_counts_one_policy_copy_and_adapter_gradients_only():
     assert rows[2] == (n_adapters + n_value) * 4 and rows[3] == 2 * (n_adapters + n_value) * 4
     assert "reference: the base" in list(lora.rows)[0]
     assert lora.total < full.total
+
+
+def test_the_reward_model_shares_the_lora_value_models_base_when_their_checkpoints_match():
+    from torchtune_ppo.config import shares_reward_value_base
+
+    assert shares_reward_value_base(validate_config(_cfg()), value_is_lora=True)  # the LoRA config's case
+    assert not shares_reward_value_base(validate_config(_cfg()), value_is_lora=False)  # a plain value model
+    for overrides in (["share_reward_value_base=False"],
+                      # other files: the policy's
+                      ["value_checkpointer.checkpoint_dir=${ppo_asset:tiny_sentiment/policy}",
+                       "value_checkpointer.model_type=LLAMA2"],
+                      # the same files read otherwise
+                      ["value_checkpointer.model_type=LLAMA2"],
+                      # no value model
+                      ["advantage_estimator=grpo", "num_samples_per_prompt=2"]):
+        assert not shares_reward_value_base(validate_config(_cfg(LORA, *overrides)), value_is_lora=True), overrides
+    # the same files written another way still match; where each model saves does not matter
+    same = _cfg(LORA, "value_checkpointer.output_dir=/tmp/elsewhere")
+    same.value_checkpointer.checkpoint_dir = same.value_checkpointer.checkpoint_dir + "/"
+    assert shares_reward_value_base(validate_config(same), value_is_lora=True)
+
+
+def test_the_memory_plan_counts_one_base_for_the_shared_reward_and_value_models():
+    value = tiny_lora_reward(["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True)
+    n_value, n_head = sum(p.numel() for p in value.parameters()), value.output.weight.numel()
+    shared = memory.memory_plan(validate_config(_cfg()))
+    separate = memory.memory_plan(validate_config(_cfg(LORA, "share_reward_value_base=False")))
+    assert list(shared.rows.values())[1] == (n_value + n_head) * 4
+    assert list(separate.rows.values())[1] == 2 * n_value * 4
+    assert separate.total - shared.total == (n_value - n_head) * 4
+    assert "one" in list(shared.rows)[1] and "each" in list(separate.rows)[1]

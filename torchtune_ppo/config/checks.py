@@ -465,6 +465,10 @@ def _check_lora(cfg: DictConfig, models: Dict[str, torch.nn.Module]) -> None:
         raise ValueError(
             f"optimizer_in_bwd=True with a LoRA {' and '.join(adapted)}: its point, never holding "
             "every gradient, does not apply to adapters (a few MB). Set optimizer_in_bwd=False.")
+    if "reward_and_value_model" in adapted and shares_reward_value_base(cfg, value_is_lora=True):
+        _note("value_checkpointer reads reward_checkpointer's files and reward_and_value_model is LoRA: "
+              "one frozen base serves both, the value model with its adapters on, the reward model with "
+              "them off and the checkpoint's head (share_reward_value_base=False builds two copies).")
     if "policy_model" not in adapted:
         return
     ref = cfg.ref_policy_checkpointer
@@ -480,6 +484,26 @@ def _check_lora(cfg: DictConfig, models: Dict[str, torch.nn.Module]) -> None:
             "compile.rollout=True with a LoRA policy_model: the one region would need the adapters "
             "on (generation) and off (reference) in one graph. Set compile.rollout=False; "
             "compile.generate and compile.trajectory compile the same work without recompiles.")
+
+
+def shares_reward_value_base(cfg: DictConfig, *, value_is_lora: bool) -> bool:
+    """Whether the reward model is built on the value model's base (``share_reward_value_base``).
+
+    True when the key is on, ``reward_and_value_model`` is a LoRA builder (``value_is_lora``), the
+    run trains a value model and scores with a reward model, and ``value_checkpointer`` reads the
+    same files as ``reward_checkpointer`` with the same settings (all but ``output_dir``): the two
+    bases are then the same weights, and stay so, frozen.
+    """
+    if not (cfg.share_reward_value_base and value_is_lora and cfg.reward is None
+            and cfg.value_checkpointer is not None and cfg.reward_checkpointer is not None):
+        return False
+    value, reward = cfg.value_checkpointer, cfg.reward_checkpointer
+    files = [[p.resolve() for p in _checkpoint_files(c, key)]
+             for c, key in ((value, "value_checkpointer"), (reward, "reward_checkpointer"))]
+    where = ("output_dir", "checkpoint_dir", "checkpoint_files")
+    settings = [{k: OmegaConf.to_container(c[k], resolve=True) if OmegaConf.is_config(c[k]) else c[k]
+                 for k in c if k not in where} for c in (value, reward)]
+    return files[0] == files[1] and settings[0] == settings[1]
 
 
 def cpu_threads(setting: Any) -> int:

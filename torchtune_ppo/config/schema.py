@@ -317,6 +317,11 @@ SCHEMA: Tuple[Key, ...] = (
                                                  "torchtune_ppo.rewards.ExactMatch"), None,
         "a reward function of the decoded texts (`torchtune_ppo.rewards`) instead of a reward "
         "model; give it or `reward_checkpointer`"),
+    Key("share_reward_value_base", Bool(), True,
+        "a LoRA `reward_and_value_model` whose `value_checkpointer` reads the `reward_checkpointer`'s "
+        "files builds one frozen base for both (noted at start): the value model with its adapters "
+        "and head, the reward model with the adapters off and the checkpoint's head. Same scores as "
+        "two copies, one base's memory less; false: two copies. See [LoRA](#lora)"),
     Key("seed", Int(optional=True), None,
         "seed of every random draw (data order, sampling); null: torchtune picks one"),
     Key("shuffle", Bool(), True, "shuffle the prompts each epoch"),

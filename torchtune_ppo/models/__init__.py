@@ -5,8 +5,9 @@
   ``qwen2_5_{0_5b,1_5b,3b,7b}_classifier``; component builders taking dims:
   ``llama3_2_classifier``, ``llama3_1_classifier``, ``qwen2_classifier``; with LoRA adapters
   (a value model that trains adapters and its head) ``lora_llama3_2_1b_classifier``,
-  ``lora_qwen2_5_0_5b_classifier``, ``lora_llama3_2_classifier``, ``lora_qwen2_classifier``. Mistral's are
-  torchtune's own (``torchtune.models.mistral.mistral_classifier``).
+  ``lora_qwen2_5_0_5b_classifier``, ``lora_mistral_7b_classifier``, ``lora_llama3_2_classifier``,
+  ``lora_qwen2_classifier``, ``lora_mistral_classifier`` (torchtune's, with a head trained whole).
+  Mistral's plain ones are torchtune's own (``torchtune.models.mistral.mistral_classifier``).
 - :class:`ClassifierHFCheckpointer`: HF ``*ForSequenceClassification`` checkpoints of any of
   these families, loaded and saved with ``score.weight``; it can also start a value model
   from a policy checkpoint (``value_head_init``), as :func:`value_head_from_policy` does for a
@@ -37,6 +38,7 @@ from torchtune_ppo.models._component_builders import (
     llama3_1_classifier,
     llama3_2_classifier,
     lora_llama3_2_classifier,
+    lora_mistral_classifier,
     lora_qwen2_classifier,
     qwen2_classifier,
 )
@@ -46,6 +48,7 @@ from torchtune_ppo.models._model_builders import (
     llama3_2_1b_classifier,
     llama3_2_3b_classifier,
     lora_llama3_2_1b_classifier,
+    lora_mistral_7b_classifier,
     lora_qwen2_5_0_5b_classifier,
     qwen2_5_0_5b_classifier,
     qwen2_5_1_5b_classifier,
@@ -77,6 +80,8 @@ __all__ = [
     "llama3_2_classifier",
     "lora_llama3_2_1b_classifier",
     "lora_llama3_2_classifier",
+    "lora_mistral_7b_classifier",
+    "lora_mistral_classifier",
     "lora_qwen2_5_0_5b_classifier",
     "lora_qwen2_classifier",
     "qwen2_5_0_5b_classifier",

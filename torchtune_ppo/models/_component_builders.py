@@ -1,4 +1,5 @@
-"""Classifier (reward / value model) component builders for Llama-3.x and Qwen2 / Qwen2.5.
+"""Classifier (reward / value model) component builders for Llama-3.x and Qwen2 / Qwen2.5, and
+Mistral's LoRA one.
 
 torchtune 0.6.1 ships classifiers only for Llama-2 and Mistral. These build the decoder with
 torchtune's own component builders and swap the output projection for a ``num_classes``-wide
@@ -8,17 +9,22 @@ The decoder is built with tied embeddings (``TiedLinear``: no vocab-sized output
 allocated) and the tie is then replaced by an untied ``nn.Linear(embed_dim, num_classes,
 bias=False)``, the layout of Hugging Face's ``*ForSequenceClassification.score``. A classifier
 never shares its head with the token embeddings, whatever the policy it came from does.
+
+Mistral's classifiers are torchtune's (``torchtune.models.mistral.mistral_classifier``,
+``lora_mistral_classifier``); :func:`lora_mistral_classifier` here only gives torchtune's LoRA one
+the keys and the head of the LoRA builders above.
 """
 
 from typing import List, Optional
 
 from torch import nn
 from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
+from torchtune.models.mistral import lora_mistral_classifier as _torchtune_lora_mistral_classifier
 from torchtune.models.qwen2 import lora_qwen2, qwen2
 from torchtune.modules import TransformerDecoder
 
-__all__ = ["llama3_1_classifier", "llama3_2_classifier", "lora_llama3_2_classifier", "lora_qwen2_classifier",
-           "qwen2_classifier"]
+__all__ = ["llama3_1_classifier", "llama3_2_classifier", "lora_llama3_2_classifier", "lora_mistral_classifier",
+           "lora_qwen2_classifier", "qwen2_classifier"]
 
 
 def with_classifier_head(model: TransformerDecoder, embed_dim: int, num_classes: int) -> TransformerDecoder:
@@ -252,3 +258,49 @@ def lora_qwen2_classifier(
                        apply_lora_to_output=False, lora_rank=lora_rank, lora_alpha=lora_alpha,
                        lora_dropout=lora_dropout, tie_word_embeddings=True, **dims)
     return with_classifier_head(model, dims["embed_dim"], num_classes)
+
+
+def lora_mistral_classifier(
+    lora_attn_modules: List[str],
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    *,
+    num_classes: int,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float = 0.0,
+    **dims,
+) -> TransformerDecoder:
+    """torchtune's ``torchtune.models.mistral.lora_mistral_classifier`` (the decoder of
+    ``mistral_classifier`` with LoRA adapters), with its head a plain ``nn.Linear`` as in
+    :func:`lora_llama3_2_classifier`: trained whole (a value model) or frozen (a reward model).
+
+    Args:
+        lora_attn_modules (List[str]): attention linears that get adapters, of ``q_proj``,
+            ``k_proj``, ``v_proj``, ``output_proj``.
+        apply_lora_to_mlp (bool): adapters on the MLP linears too. Default: False
+        apply_lora_to_output (bool): must be False (the key of torchtune's
+            ``lora_mistral_reward_7b``): the head is trained whole, not through an adapter.
+        num_classes (int): width of the head; 1 for a reward or value model.
+        lora_rank (int): rank of each adapter.
+        lora_alpha (float): the update is ``alpha / rank * B A x``.
+        lora_dropout (float): dropout on the adapters' input. Default: 0.0
+        **dims: the decoder's dims, as ``torchtune.models.mistral.mistral_classifier`` takes them
+            (``vocab_size``, ``num_layers``, ``num_heads``, ``num_kv_heads``, ``embed_dim``,
+            ``intermediate_dim``, ``max_seq_len``, optional ``norm_eps``, ``rope_base``).
+
+    Returns:
+        TransformerDecoder: ``[b, s] -> [b, s, num_classes]`` scores.
+
+    Raises:
+        ValueError: ``apply_lora_to_output`` is True.
+    """
+    if apply_lora_to_output:
+        raise ValueError(
+            f"apply_lora_to_output={apply_lora_to_output!r}: a classifier's [num_classes, embed_dim] "
+            "head trains whole beside the adapters (a value model) or stays frozen (a reward model); "
+            "set apply_lora_to_output=False.")
+    return _torchtune_lora_mistral_classifier(
+        lora_attn_modules=list(lora_attn_modules), apply_lora_to_mlp=apply_lora_to_mlp,
+        apply_lora_to_output=False, num_classes=num_classes, lora_rank=lora_rank, lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout, **dims)

@@ -1,4 +1,4 @@
-"""Reward / value model builders at the published sizes of Llama-3.x and Qwen2.5.
+"""Reward / value model builders at the published sizes of Llama-3.x, Qwen2.5 and Mistral-7B.
 
 Each matches its torchtune policy builder (``torchtune.models.llama3_2.llama3_2_1b``,
 ``torchtune.models.qwen2_5.qwen2_5_0_5b``, ...) layer for layer, with a one-output head in
@@ -17,6 +17,7 @@ from torchtune_ppo.models._component_builders import (
     llama3_1_classifier,
     llama3_2_classifier,
     lora_llama3_2_classifier,
+    lora_mistral_classifier,
     lora_qwen2_classifier,
     qwen2_classifier,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "llama3_2_1b_classifier",
     "llama3_2_3b_classifier",
     "lora_llama3_2_1b_classifier",
+    "lora_mistral_7b_classifier",
     "lora_qwen2_5_0_5b_classifier",
     "qwen2_5_0_5b_classifier",
     "qwen2_5_1_5b_classifier",
@@ -264,4 +266,41 @@ def lora_qwen2_5_0_5b_classifier(
         lora_alpha=lora_alpha, lora_dropout=lora_dropout, vocab_size=151936, num_layers=24,
         num_heads=14, num_kv_heads=2, embed_dim=896, intermediate_dim=4864, max_seq_len=max_seq_len,
         norm_eps=1e-6, rope_base=1_000_000.0,
+    )
+
+
+def lora_mistral_7b_classifier(
+    lora_attn_modules: List[str],
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+    num_classes: int = 1,
+    vocab_size: int = 32_000,
+    max_seq_len: int = 32768,
+) -> TransformerDecoder:
+    """Mistral-7B with a ``num_classes``-wide head and LoRA adapters: torchtune's
+    ``lora_mistral_reward_7b`` with the head, vocabulary and length as keys.
+
+    Args:
+        lora_attn_modules (List[str]): attention linears that get adapters.
+        apply_lora_to_mlp (bool): adapters on the MLP linears too. Default: False
+        apply_lora_to_output (bool): must be False: the head trains whole. Default: False
+        lora_rank (int): rank of each adapter. Default: 8
+        lora_alpha (float): the update is ``alpha / rank * B A x``. Default: 16
+        lora_dropout (float): dropout on the adapters' input. Default: 0.0
+        num_classes (int): width of the head. Default: 1 (a reward or value model)
+        vocab_size (int): rows of the token embeddings. Default: 32_000; reward models that
+            added a pad token have 32_001 (e.g. ``weqweasdas/RM-Mistral-7B``)
+        max_seq_len (int): maximum sequence length. Default: 32768
+
+    Returns:
+        TransformerDecoder: the classifier.
+    """
+    return lora_mistral_classifier(
+        lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output, num_classes=num_classes, lora_rank=lora_rank,
+        lora_alpha=lora_alpha, lora_dropout=lora_dropout, vocab_size=vocab_size, num_layers=32, num_heads=32,
+        num_kv_heads=8, embed_dim=4096, intermediate_dim=14336, max_seq_len=max_seq_len, norm_eps=1e-5,
+        rope_base=10_000,
     )

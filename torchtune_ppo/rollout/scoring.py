@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from torchtune_ppo import compile as compiling
+from torchtune_ppo import lora
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states
 from torchtune_ppo.ppo import rlhf
 from torchtune_ppo.ppo.packing import MIN_SIZE, block_causal_masks, plan_micro_steps, to_device
@@ -201,8 +202,9 @@ def packed_score_trajectory(
     values = (torch.zeros_like(ref_logprobs) if value_model is None
               else to_rows(rlhf.read_values(value_model.output, hidden(value_model), reads)))
     # step 5: the reward model at each row's last valid token
-    if reward_model is not None:
-        scores = reward_model.output(hidden(reward_model)[plan.last_positions])[:, 0].float()
+    if reward_model is not None:  # on the value model's base (lora.SharedBaseReward): its adapters off
+        last = lora.base_adapters_off(reward_model, lambda m: hidden(m)[plan.last_positions])
+        scores = reward_model.output(last)[:, 0].float()
 
     return finish_trajectory(
         qr, response_padding_masks, masks, padded_positions, logprobs, ref_logprobs, values,

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 
 from torchtune_ppo import distributed, lora
-from torchtune_ppo.config import parse_compile
+from torchtune_ppo.config import parse_compile, shares_reward_value_base
 from torchtune_ppo.ppo.advantages import uses_value_model
 from torchtune_ppo.ppo.packing import default_rows
 
@@ -129,7 +129,9 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
 
     A LoRA policy is one copy of its base and adapters (``1/W`` of it on ``W`` processes), which
     is also the reference; only its adapters (and the value model) have gradients and optimizer
-    state. A LoRA value model trains its adapters and head only; the reward model keeps its own copy.
+    state. A LoRA value model trains its adapters and head only; the reward model keeps its own
+    copy, or, when it starts from the same checkpoint (``share_reward_value_base``), is that
+    model's base with the adapters off and a head of its own: one base for both.
     Its activations are counted as a full policy's: the backward still runs through every
     frozen layer to reach the adapters below it.
 
@@ -174,7 +176,14 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
         f"policy parameters (base {(n_policy - n_adapters) / 1e9:.2f}B + adapters "
         f"{n_adapters / 1e6:.1f}M; reference: the base{'' if W == 1 else f'; 1/{W}'})": n_policy * dtype_bytes / W,
     }
-    if critic:
+    if critic and shares_reward_value_base(cfg, value_is_lora=value_adapted):
+        n_head = sum(p.numel() for p in value.output.parameters())
+        value_row = {f"value + reward parameters (one {n_value / 1e9:.2f}B base; reward: adapters off, "
+                     f"own head{'' if W == 1 else f'; base 1/{W}'})": (n_value / W + n_head) * dtype_bytes}
+    elif critic and cfg.reward is not None:  # a function reward: no reward model
+        value_row = {f"value parameters ({n_value / 1e9:.2f}B{'' if W == 1 else f', 1/{W}'}; reward: a function)":
+                     n_value * dtype_bytes / W}
+    elif critic:
         value_row = {f"value + reward parameters ({n_value / 1e9:.2f}B"
                      f"{shares.format('value', 'reward') if W > 1 else ' each'})": (1 / W + frozen) * n_value * dtype_bytes}
     else:  # the frozen reward model only, if the reward is not a function
