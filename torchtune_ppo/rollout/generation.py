@@ -241,7 +241,8 @@ class Generator:
 
         self._compiled = compiled
         self._prefill, self._decode, self._cudagraphs = generation_steps(
-            prefill if group_size == 1 else prefill_group, generate_next_token, compiled=compiled, mode=compile_mode, device=self.device
+            prefill if group_size == 1 else prefill_group, generate_next_token,
+            compiled=compiled, mode=compile_mode, device=self.device,
         )
         self.kv_cache = StaticKVCache(
             model, batch_size=batch_size, seq_len=max_prompt_len + max_generated_tokens,
@@ -274,7 +275,7 @@ class Generator:
         self._logprob_cols = self._logprobs_out.unbind(1)
         self._stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=dev)
         # Group sharing: the prefill's inputs for one row of each group, [G, P] and [G, P, S].
-        G = B // self.group_size
+        G = B // self.group_size if self.group_size > 1 else 0
         self._group_tokens = torch.empty(G, P, dtype=torch.long, device=dev)
         self._group_pos = torch.empty(G, P, dtype=torch.long, device=dev)
         self._group_mask = torch.empty(G, P, S, dtype=torch.bool, device=dev)
