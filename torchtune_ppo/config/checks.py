@@ -303,7 +303,7 @@ def _check_batch_sizes(cfg: DictConfig) -> None:
             raise ValueError(
                 f"share_group_prefill=True needs forward_batch_size ({cfg.forward_batch_size}) to be a "
                 f"multiple of num_samples_per_prompt ({n}), so that each generation call holds whole "
-                f"groups; e.g. forward_batch_size={n * max(1, cfg.forward_batch_size // n)}, or "
+                f"groups; e.g. forward_batch_size={n * _divisor(cfg.batch_size, max(1, cfg.forward_batch_size // n))}, or "
                 "share_group_prefill=False."
             )
         if parse_compile(cfg.compile).rollout:
