@@ -221,6 +221,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             top_p=cfg.top_p,
             compiled=regions.generate,
             compile_mode=regions.mode,
+            group_size=cfg.num_samples_per_prompt if cfg.share_group_prefill else 1,
             dtype=self._dtype,
             device=self._device,
         )

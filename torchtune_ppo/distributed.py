@@ -231,6 +231,11 @@ def check_world_size(cfg, world_size: int) -> None:
         raise ValueError(f"ppo_batch_size={cfg.ppo_batch_size} over {world_size} processes gives "
                          f"{cfg.ppo_batch_size // world_size} rows per rank, not a multiple of "
                          f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}.")
+    n = cfg.num_samples_per_prompt
+    if cfg.share_group_prefill and n > 1 and (cfg.forward_batch_size // world_size) % n:
+        raise ValueError(f"forward_batch_size={cfg.forward_batch_size} over {world_size} processes gives "
+                         f"{cfg.forward_batch_size // world_size} rows per rank, not a multiple of "
+                         f"num_samples_per_prompt={n}, as share_group_prefill=True needs.")
     if cfg.optimizer_in_bwd:
         raise ValueError("optimizer_in_bwd=True runs on one process only; set it to False "
                          f"to run on {world_size} processes.")

@@ -19,8 +19,16 @@ private reach here. ``Generator`` has no public seam between its prefill and its
 (``prepare``, ``draw_noise`` and the module-level ``prefill`` are public, but calling them
 outside ``generate`` would time another call, not this one's prefill).
 
+With ``--group n`` the batch holds ``batch / n`` prompts, each ``n`` times in a row (GRPO-style
+groups), and the variants ``ours-shared`` / ``ours-shared-compiled`` prefill each prompt once
+(``Generator(group_size=n)``) where ``ours`` / ``ours-compiled`` prefill all ``batch`` rows; with
+only our variants the ratios are against the first one named. Their prefill time includes
+copying each prompt's cache into its group's other rows.
+
     python benchmarks/generation/bench_generation.py                # demo-size model, CPU, fp32
     python benchmarks/generation/bench_generation.py --llama-1b --device cuda --out gen.json
+    python benchmarks/generation/bench_generation.py --group 4 --prompt-len 128 \
+        --variants ours,ours-shared                                 # one prefill per group
 """
 
 import argparse
@@ -91,13 +99,15 @@ def build_model(args) -> torch.nn.Module:
 
 
 def make_prompts(args) -> torch.Tensor:
-    """[batch, prompt_len] random prompts, left-padded to real lengths spread over 1..P."""
+    """[batch, prompt_len] random prompts, left-padded to real lengths spread over 1..P; with
+    ``--group n``, ``batch / n`` such prompts, each repeated ``n`` times in a row."""
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, args.vocab, (args.batch, args.prompt_len), generator=g)
-    lengths = torch.linspace(1, args.prompt_len, args.batch).round().long()
+    distinct = args.batch // args.group
+    prompts = torch.randint(1, args.vocab, (distinct, args.prompt_len), generator=g)
+    lengths = torch.linspace(1, args.prompt_len, distinct).round().long()
     for row, n in enumerate(lengths.tolist()):
         prompts[row, : args.prompt_len - n] = PAD
-    return prompts.to(args.device)
+    return prompts.repeat_interleave(args.group, dim=0).to(args.device)
 
 
 def torchtune_runner(model, args, *, kv_cache: bool, compiled: bool) -> Callable:
@@ -128,23 +138,25 @@ def torchtune_runner(model, args, *, kv_cache: bool, compiled: bool) -> Callable
     return run
 
 
-def ours_runner(model, args, *, compiled: bool) -> Callable:
+def ours_runner(model, args, *, compiled: bool, group_size: int = 1) -> Callable:
     gen = Generator(model, batch_size=args.batch, max_prompt_len=args.prompt_len,
                     max_generated_tokens=args.gen_len, pad_id=PAD, stop_token_ids=[],
-                    temperature=1.0, top_k=TOP_K, compiled=compiled,
+                    temperature=1.0, top_k=TOP_K, compiled=compiled, group_size=group_size,
                     compile_mode=args.compile_mode, dtype=args.dtype,
                     device=torch.device(args.device))
     # The one private reach (see the module docstring): Generator has no public prefill seam.
-    prefill = gen._prefill
+    # With groups the prefill ends once the cache is copied into the groups' rows.
+    owner, attr = (gen.kv_cache, "copy_to_group") if group_size > 1 else (gen, "_prefill")
+    prefill = getattr(owner, attr)
 
     def run(prompts, rng, clock):
         clock.fn = prefill
-        gen._prefill = clock
+        setattr(owner, attr, clock)
         try:
             # make_prompts never draws PAD as a real token, so its real lengths are these
             return gen.generate(prompts, (prompts != PAD).sum(-1), rng=rng).query_responses
         finally:
-            gen._prefill = prefill
+            setattr(owner, attr, prefill)
 
     run.generator = gen
     return run
@@ -286,20 +298,21 @@ def hardware(args) -> str:
 
 
 def table(rows: List[Dict], baseline: str) -> str:
+    against = f"the fastest torchtune variant ({baseline})" if baseline.startswith("torchtune") else baseline
     lines = [
-        f"Speed-ups against the fastest torchtune variant ({baseline}): medians of per-round "
-        "ratios, [95% interval].",
+        f"Speed-ups against {against}: medians of per-round ratios, [95% interval].",
         "",
         "| variant | prefill (ms) | decode (tok/s) | whole call (ms) | first call (s) "
-        "| speed-up, whole call | speed-up, decode | calls |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| speed-up, whole call | speed-up, prefill | speed-up, decode | calls |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ratios = r["ratios_vs_baseline"]
         lines.append(
             f"| {r['name']} | {r['prefill_ms']:.2f} | {r['decode_tok_s']:.0f} "
             f"| {r['total_ms']:.2f} | {r['first_call_s']:.2f} "
-            f"| {format_ratio(ratios['total'])} | {format_ratio(ratios['decode'])} | {len(r['calls'])} |"
+            f"| {format_ratio(ratios['total'])} | {format_ratio(ratios['prefill'])} "
+            f"| {format_ratio(ratios['decode'])} | {len(r['calls'])} |"
         )
     return "\n".join(lines)
 
@@ -336,13 +349,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--llama-1b", action="store_true",
                    help="Llama-3.2-1B dims, random weights, bf16")
     p.add_argument("--variants", default="tt,tt-kv,tt-kv-compiled,ours,ours-compiled",
-                   help="comma-separated subset of: tt, tt-kv, tt-kv-compiled, ours, ours-compiled")
+                   help="comma-separated subset of: tt, tt-kv, tt-kv-compiled, ours, ours-compiled, "
+                        "ours-shared, ours-shared-compiled (the last two need --group)")
+    p.add_argument("--group", type=int, default=1,
+                   help="n: the batch is batch/n prompts, each n times in a row; the ours-shared "
+                        "variants prefill each once")
     p.add_argument("--profile", action="store_true",
                    help="also run torch.profiler over one call per variant and print the top ops")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     if args.llama_1b:
         args.vocab = 128_256
+    if args.group < 1 or args.batch % args.group:
+        p.error(f"--group {args.group} must be >= 1 and divide --batch {args.batch}")
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.llama_1b else "float32"))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -367,6 +386,10 @@ def main() -> None:
                            lambda: torchtune_runner(model, args, kv_cache=True, compiled=True)),
         "ours": ("Generator, eager", lambda: ours_runner(model, args, compiled=False)),
         "ours-compiled": ("Generator, compiled", lambda: ours_runner(model, args, compiled=True)),
+        "ours-shared": (f"Generator, eager, one prefill per group of {args.group}",
+                        lambda: ours_runner(model, args, compiled=False, group_size=args.group)),
+        "ours-shared-compiled": (f"Generator, compiled, one prefill per group of {args.group}",
+                                 lambda: ours_runner(model, args, compiled=True, group_size=args.group)),
     }
     keys = [k.strip() for k in args.variants.split(",") if k.strip()]
     unknown = [k for k in keys if k not in variants]
@@ -395,7 +418,8 @@ def main() -> None:
         "bandwidth_floor": bandwidth_floor(model, args),
     }
     print()
-    print(f"{report['hardware']}; torch {report['torch']}; batch {args.batch}, prompt "
+    print(f"{report['hardware']}; torch {report['torch']}; batch {args.batch}"
+          f"{f' ({args.batch // args.group} prompts x {args.group})' if args.group > 1 else ''}, prompt "
           f"{args.prompt_len}, {args.gen_len} generated tokens, {args.dtype}, top_k {TOP_K}"
           f"{', inductor cpp_wrapper' if args.cpp_wrapper else ''}")
     print("\n".join(verdict_lines(machine, verdict)))

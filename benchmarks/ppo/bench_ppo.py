@@ -49,6 +49,14 @@ about half of T at the first step and ~3/8 of T after it (the report's *response
 default rows leave out ``ours_rollout``, whose one unrolled graph grows with T (ask for it
 with ``--rows``).
 
+Two more rows, not run by default, measure ``share_group_prefill`` on a config with groups
+(``num_samples_per_prompt`` > 1): ``ours_eager_shared`` and ``ours_generate_shared`` are
+``ours_eager`` and ``ours_generate`` prefilling each prompt once per group, e.g.
+
+    python benchmarks/ppo/bench_ppo.py --config recipes/configs/tiny/grpo_tiny_arithmetic.yaml \
+        --rows ours_eager,ours_eager_shared --batch-size 16 --forward-batch-size 32 \
+        --ppo-batch-size 32 --set num_samples_per_prompt=4
+
 ``--fixed-policy`` sets ``optimizer.lr=1e-30`` in every row: each step still generates, scores,
 runs the PPO epochs and steps the optimizer, but the weights do not move, so the distribution of
 response lengths stays that of step 1. While a policy learns, the work of a step changes with
@@ -87,7 +95,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common
 from bench_common.machine import CpuMeter, headline_verdict, loadavg, machine_info  # noqa: E402
 from ppo_bench.random_model import CPU_LARGE, build_assets, gpu_preset  # noqa: E402
 from ppo_bench.report import hardware, write_report  # noqa: E402
-from ppo_bench.rows import CPU_LARGE_ROWS, GPU_ROWS, QUICK_ROWS, ROWS  # noqa: E402
+from ppo_bench.rows import CPU_LARGE_ROWS, DEFAULT_ROWS, GPU_ROWS, QUICK_ROWS, ROWS  # noqa: E402
 from ppo_bench.running import run_rows  # noqa: E402
 from ppo_bench.summary import add_ratios  # noqa: E402
 
@@ -172,7 +180,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         names = args.rows.split(",")
     else:
         names = list(QUICK_ROWS if args.quick else CPU_LARGE_ROWS if args.cpu_large or args.smollm2
-                     else GPU_ROWS if args.gpu else ROWS)
+                     else GPU_ROWS if args.gpu else DEFAULT_ROWS)
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         p.error(f"unknown rows {unknown}; valid: {list(ROWS)}")

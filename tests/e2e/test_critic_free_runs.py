@@ -1,6 +1,7 @@
 """GRPO through `tune run` on the tiny task: groups of 2 responses per prompt, no value model
 built, trained or saved; resume repeats the uninterrupted run; compiled scoring and loss step
-(with no value model) match eager and do not recompile after step 1."""
+(with no value model) match eager and do not recompile after step 1; one prefill per group
+(share_group_prefill) repeats the run of n prefills, eager and compiled."""
 
 import math
 import shutil
@@ -12,6 +13,7 @@ from torchtune_ppo.checkpointing.store import load_training_state
 from torchtune_ppo.run.logs import read_disk_log
 from torchtune_ppo.tasks.tiny_sentiment import tiny_policy
 
+from conftest import assert_compiled_matches_eager
 from test_recipe import run_recipe
 
 GRPO = ["advantage_estimator=grpo", "num_samples_per_prompt=2", "num_ppo_steps=3", "save_every_n_steps=2"]
@@ -66,6 +68,31 @@ def test_compiled_grpo_matches_eager_without_recompiles(eager_grpo, tmp_path):
         for key in ("loss", "policy_loss", "kl", "approx_policy_kl"):
             assert rows[step][key] == pytest.approx(eager[step][key], rel=2e-2, abs=2e-4), (step, key)
         assert rows[step]["value_loss"] == 0
+
+
+def test_shared_group_prefill_repeats_the_n_prefill_run(eager_grpo, tmp_path):
+    """One prefill per group, its KV cache copied into the group's rows: the same sampled tokens
+    (the first token of each row from the group's shared logits and the row's own draw), so the
+    same run. On CPU the prefill of B / n rows gives the bits of B rows (see
+    parity/test_generation.py), so the metrics agree to float32 rounding."""
+    _, _, eager = eager_grpo
+    _, rows = run_recipe(tmp_path / "shared", *GRPO, "compile=False", "share_group_prefill=True")
+    assert len(rows) == 3
+    for step in range(3):
+        for key in ("scores", "response_lengths", "num_stop_tokens", "group_score_std", "zero_std_groups"):
+            assert rows[step][key] == eager[step][key], (step, key)
+        for key in ("loss", "policy_loss", "kl", "ratios", "approx_policy_kl"):
+            assert rows[step][key] == pytest.approx(eager[step][key], rel=1e-6, abs=1e-7), (step, key)
+
+
+def test_compiled_shared_group_prefill_matches_eager_without_recompiles(eager_grpo, tmp_path):
+    """compile.generate with share_group_prefill: its own prefill region (G = B / n rows) and the
+    decode step each compile once, and the run matches the eager run of n prefills."""
+    _, _, eager = eager_grpo
+    _, rows = run_recipe(tmp_path / "compiled_shared", *GRPO, "share_group_prefill=True", "compile.generate=True",
+                         "compile.trajectory=False", "compile.loss_step=False", "compile.rollout=False")
+    assert len(rows) == 3 and [r["recompiles"] for r in rows[1:]] == [0, 0]
+    assert_compiled_matches_eager(rows, eager, steps=3)
 
 
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")

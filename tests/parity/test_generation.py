@@ -342,3 +342,63 @@ def test_invalid_prompt_lens(sampling_eager):
                 torch.tensor([-1, 4])):
         with pytest.raises(ValueError, match="prompt_lens"):
             sampling_eager.generate(prompts, bad)
+
+
+# ---- group_size: one prefill per group of identical prompts ---------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_group_prefill_gives_the_n_prefills_tokens(model, n):
+    """Each prompt prefilled once and its cache copied into its n rows: the tokens and logprobs of
+    n prefills of it, from the same draws, in full and short (filler-group) batches, sampled and
+    greedy. Bit-identical on CPU eager (the prefill's GEMMs at B / n rows give the same bits as
+    at B rows here), so the logprobs are compared exactly too."""
+    B = 8
+    kw = dict(batch_size=B, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD, stop_token_ids=[5, 17],
+              stop_check_every=4)
+    for sampling in (SAMPLING, dict(top_k=1)):
+        every, shared = Generator(model, **kw, **sampling), Generator(model, **kw, **sampling, group_size=n)
+        for seed, lengths in enumerate([[P, 1, 6, 3][: B // n], [4]]):  # a full batch, then one group
+            prompts = left_padded(lengths, seed=40 + seed).repeat_interleave(n, dim=0)
+            a = every.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(seed), return_logits=True)
+            b = shared.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(seed), return_logits=True)
+            torch.testing.assert_close(b.query_responses, a.query_responses, rtol=0, atol=0)
+            torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=0)
+            torch.testing.assert_close(b.logits, a.logits, rtol=0, atol=0)
+            if "top_k" in sampling and sampling["top_k"] == 1:  # greedy: a group's rows agree
+                assert (b.query_responses.view(-1, n, P + T) == b.query_responses[::n, None]).all()
+            else:  # sampled: each row draws its own first token, so a group's rows differ
+                assert not (b.query_responses.view(-1, n, P + T) == b.query_responses[::n, None]).all()
+    # the model is left as it was: no cache, the buffers back in place
+    assert not model.caches_are_setup()
+    full = shared.kv_cache._caches[0].k_cache
+    assert full.shape[0] == B and full.is_contiguous()
+
+
+def test_group_prefill_logprobs_match_full_forward(model):
+    n = 2
+    gen = Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD,
+                    stop_token_ids=[], group_size=n, **SAMPLING)
+    prompts = left_padded([7, 2], seed=5).repeat_interleave(n, dim=0)
+    out = gen.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(1))
+    expected = full_forward_logprobs(model, out, prompts, SAMPLING["temperature"])
+    torch.testing.assert_close(out.logprobs, expected, rtol=0, atol=1e-4)
+
+
+def test_group_prefill_invalid_arguments(model):
+    kw = dict(max_prompt_len=P, max_generated_tokens=T, pad_id=PAD, stop_token_ids=[])
+    with pytest.raises(ValueError, match="batch_size=6 must be a multiple of group_size=4"):
+        Generator(model, batch_size=6, group_size=4, **kw)
+    with pytest.raises(ValueError, match="group_size=0 is invalid"):
+        Generator(model, batch_size=4, group_size=0, **kw)
+    gen = Generator(model, batch_size=4, group_size=2, **kw)
+    with pytest.raises(ValueError, match="group_size=2 needs whole groups of rows; got 3 prompts"):
+        gen.generate(left_padded([3, 3, 3]), torch.tensor([3, 3, 3]))
+    prompts = left_padded([4, 4], seed=1)  # two different prompts where one group should be
+    with pytest.raises(ValueError, match="each run of 2 rows must hold one prompt"):
+        gen.generate(prompts, lens(prompts))
+    same = left_padded([5], seed=2).repeat(2, 1)
+    with pytest.raises(ValueError, match="each run of 2 rows must hold one prompt"):
+        gen.generate(same, torch.tensor([5, 4]))  # same tokens, different lengths
+    same[1, 0] = 99  # a different padding token is still the same prompt
+    gen.generate(same, torch.tensor([5, 5]))

@@ -422,3 +422,25 @@ def test_checkpoint_of_a_critic_free_lora_run_holds_the_policy_adapters_only(tmp
     marker["adapter_files"] = {}  # then neither weights nor adapters of the policy: refused
     (path / store.MARKER_FNAME).write_text(json.dumps(marker))
     assert store.latest_checkpoint(tmp_path / "run") is None
+
+
+def test_share_group_prefill_needs_whole_groups_per_generation_call():
+    assert validate_config(_cfg()).share_group_prefill is False  # default: n prefills, as before
+    ok = validate_config(_cfg(advantage_estimator="grpo", num_samples_per_prompt=4, share_group_prefill=True))
+    assert ok.forward_batch_size % 4 == 0
+    with pytest.raises(ValueError, match=r"share_group_prefill=True needs forward_batch_size \(4\) to be a multiple "
+                                         r"of num_samples_per_prompt \(8\).*forward_batch_size=8"):
+        validate_config(_cfg(advantage_estimator="grpo", num_samples_per_prompt=8, forward_batch_size=4,
+                             ppo_batch_size=16, share_group_prefill=True))
+    # off, or n = 1: any forward_batch_size that divides the step's rows
+    validate_config(_cfg(advantage_estimator="grpo", num_samples_per_prompt=8, forward_batch_size=4,
+                         ppo_batch_size=16))
+    validate_config(_cfg(share_group_prefill=True))
+    with pytest.raises(ValueError, match="share_group_prefill=True with compile.rollout=True"):
+        validate_config(_cfg(num_samples_per_prompt=2, share_group_prefill=True, **{"compile.rollout": True}))
+    with pytest.raises(ValueError, match="share_group_prefill must be true or false, got 'maybe'"):
+        validate_config(_cfg(share_group_prefill="maybe"))
+    cfg = validate_config(_cfg(advantage_estimator="grpo", num_samples_per_prompt=4, share_group_prefill=True))
+    with pytest.raises(ValueError, match="forward_batch_size=16 over 8 processes gives 2 rows per rank, not a "
+                                         "multiple of num_samples_per_prompt=4"):
+        distributed.check_world_size(OmegaConf.merge(cfg, {"batch_size": 32, "ppo_batch_size": 16}), 8)

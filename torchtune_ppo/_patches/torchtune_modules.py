@@ -188,6 +188,31 @@ class StaticKVCache:
             for m, training in modes:
                 m.training = training
 
+    @contextlib.contextmanager
+    def rows_every(self, n: int) -> Iterator[None]:
+        """Inside :meth:`decoding`: every cache shows rows ``0, n, 2n, ...`` only (strided views).
+
+        torchtune's ``KVCache.update`` writes a whole ``[b, H, s, D]`` batch into the cache, so a
+        prefill of ``B / n`` prompts needs a cache of ``B / n`` rows: these views, swapped in for
+        the buffers and swapped back on exit. No memory is allocated.
+        """
+        full = [(c.k_cache, c.v_cache) for c in self._caches]
+        for cache, (k, v) in zip(self._caches, full):
+            cache.k_cache, cache.v_cache = k[::n], v[::n]
+        try:
+            yield
+        finally:
+            for cache, (k, v) in zip(self._caches, full):
+                cache.k_cache, cache.v_cache = k, v
+
+    def copy_to_group(self, n: int, cols: int) -> None:
+        """Copies the first ``cols`` columns of rows ``0, n, 2n, ...`` into the other ``n - 1``
+        rows of their group (in place: source and destination rows never overlap)."""
+        for cache in self._caches:
+            for buf in (cache.k_cache, cache.v_cache):
+                groups = buf[:, :, :cols].unflatten(0, (-1, n))  # [G, n, H, cols, D]
+                groups[:, 1:].copy_(groups[:, :1])
+
     def _detach(self) -> None:
         for attn, attention_call in zip(self._attn, self._attention_calls):
             attn.cache_enabled = False

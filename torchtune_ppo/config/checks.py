@@ -298,6 +298,19 @@ def _check_batch_sizes(cfg: DictConfig) -> None:
             f"ppo_batch_size ({cfg.ppo_batch_size}) must be divisible by "
             f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps})."
         )
+    if cfg.share_group_prefill and n > 1:
+        if cfg.forward_batch_size % n:
+            raise ValueError(
+                f"share_group_prefill=True needs forward_batch_size ({cfg.forward_batch_size}) to be a "
+                f"multiple of num_samples_per_prompt ({n}), so that each generation call holds whole "
+                f"groups; e.g. forward_batch_size={n * _divisor(cfg.batch_size, max(1, cfg.forward_batch_size // n))}, or "
+                "share_group_prefill=False."
+            )
+        if parse_compile(cfg.compile).rollout:
+            raise ValueError(
+                "share_group_prefill=True with compile.rollout=True: the fused rollout region "
+                "prefills every row; set share_group_prefill=False or compile.rollout=False."
+            )
 
 
 def _check_min_response_length(cfg: DictConfig) -> None:

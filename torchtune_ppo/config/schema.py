@@ -414,6 +414,12 @@ SCHEMA: Tuple[Key, ...] = (
         "`batch_size * num_samples_per_prompt` responses; `forward_batch_size` and `ppo_batch_size` "
         "count responses and must divide that. `grpo`, `dr_grpo`, `rloo` and "
         "`reinforce_plus_plus_baseline` need at least 2"),
+    Key("share_group_prefill", Bool(), False,
+        "with `num_samples_per_prompt` = n > 1, prefill each prompt once and copy its KV cache "
+        "into its n rows, instead of n prefills of the same prompt; `forward_batch_size` (per "
+        "process) must then be a multiple of n. Same tokens in distribution (see [Group "
+        "sampling](#group-sampling-and-critic-free-advantage-estimators)); not with "
+        "`compile.rollout`"),
     # A `_component_` block (torchtune's PPOLoss) keeps its own defaults instead of these.
     Key("loss", LOSS, LOSS.defaults(),
         "PPO loss: the plain keys below, or torchtune's `PPOLoss` `_component_` block (which keeps "

@@ -15,6 +15,11 @@ Padding is told by each prompt's length ``n``, never by a token value: a prompt 
 pad id as a real token (``<unk>`` is 0 in Llama-2 tokenizers, and so is their pad id).
 Positions count from each row's first real token, as in
 :func:`torchtune.generation.get_position_ids_from_padding_mask`.
+
+With ``group_size = n > 1`` the rows come in groups of ``n`` copies of one prompt (GRPO-style
+sampling): the prompt of each group is prefilled once, in rows ``0, n, 2n, ...`` of the
+cache, whose first ``P`` columns are then copied into the group's other rows; the first token
+of each row is sampled from the group's shared last-position logits with the row's own noise.
 """
 
 import contextlib
@@ -29,7 +34,7 @@ from torchtune_ppo._patches.torchtune_modules import StaticKVCache
 from torchtune_ppo.config import check_compile_mode, check_sampling
 from torchtune_ppo.rollout.sampling import sample
 
-__all__ = ["GenerationInputs", "GenerationOutput", "Generator", "generate_next_token", "prefill"]
+__all__ = ["GenerationInputs", "GenerationOutput", "Generator", "generate_next_token", "prefill", "prefill_group"]
 
 
 class GenerationOutput(NamedTuple):
@@ -102,6 +107,34 @@ def prefill(
     return token, logprob, logits
 
 
+def prefill_group(
+    model: TransformerDecoder,
+    tokens: torch.Tensor,
+    input_pos: torch.Tensor,
+    mask: torch.Tensor,
+    noise: Optional[torch.Tensor] = None,
+    *,
+    group_size: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`prefill` of ``G`` distinct prompts whose ``G * group_size`` rows share them.
+
+    The model sees ``tokens [G, P]``; each prompt's last-position logits are repeated
+    ``group_size`` times in a row and every row samples its first token with its own noise
+    (``noise [G * group_size, W]``), as :func:`prefill` of the repeated prompts would.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``[G * group_size]`` tokens and
+        logprobs, and the ``[G * group_size, V]`` float32 logits they were sampled from.
+    """
+    logits = model(tokens, input_pos=input_pos, mask=mask)[:, -1]  # [G, V]
+    logits = logits.repeat_interleave(group_size, dim=0)  # [G * n, V]
+    token, logprob = sample(logits, noise, temperature=temperature, top_k=top_k, top_p=top_p)
+    return token, logprob, logits
+
+
 # The same body as prefill, kept a separate function on purpose: each gets its own compiled
 # graph and guards ([B, P] prompt vs [B, 1] token), so neither ever recompiles for the other.
 def generate_next_token(
@@ -160,6 +193,9 @@ class Generator:
             is compiled without them.
         stop_check_every (int): decode steps between the host syncs that stop the loop early
             once every row is done.
+        group_size (int): ``n``: the rows of every call come in groups of ``n`` identical
+            prompts, each prefilled once (:func:`prefill_group`); ``batch_size`` must be a
+            multiple of ``n``. 1: every row is prefilled (:func:`prefill`).
         dtype (Optional[torch.dtype]): KV cache dtype; defaults to the model's.
         device (Optional[torch.device]): defaults to the model's.
 
@@ -182,6 +218,7 @@ class Generator:
         compiled: bool = False,
         compile_mode: str = "default",
         stop_check_every: int = 8,
+        group_size: int = 1,
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
     ) -> None:
@@ -190,7 +227,7 @@ class Generator:
         self.batch_size, self.max_prompt_len = batch_size, max_prompt_len
         self.max_generated_tokens, self.pad_id = max_generated_tokens, pad_id
         self.stop_token_ids = [int(t) for t in stop_token_ids]
-        self.stop_check_every = stop_check_every
+        self.stop_check_every, self.group_size = stop_check_every, group_size
         self.device = torch.device(device) if device is not None else param.device
         self.vocab_size = model.tok_embeddings.num_embeddings
         check_sampling(temperature, top_k, top_p, prefix="Generator: ")
@@ -204,7 +241,8 @@ class Generator:
 
         self._compiled = compiled
         self._prefill, self._decode, self._cudagraphs = generation_steps(
-            prefill, generate_next_token, compiled=compiled, mode=compile_mode, device=self.device
+            prefill if group_size == 1 else prefill_group, generate_next_token,
+            compiled=compiled, mode=compile_mode, device=self.device,
         )
         self.kv_cache = StaticKVCache(
             model, batch_size=batch_size, seq_len=max_prompt_len + max_generated_tokens,
@@ -236,6 +274,11 @@ class Generator:
         self._token_cols = self._tokens_out.unbind(1)  # T views of [B]
         self._logprob_cols = self._logprobs_out.unbind(1)
         self._stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=dev)
+        # Group sharing: the prefill's inputs for one row of each group, [G, P] and [G, P, S].
+        G = B // self.group_size if self.group_size > 1 else 0
+        self._group_tokens = torch.empty(G, P, dtype=torch.long, device=dev)
+        self._group_pos = torch.empty(G, P, dtype=torch.long, device=dev)
+        self._group_mask = torch.empty(G, P, S, dtype=torch.bool, device=dev)
 
     def prepare(self, prompts: torch.Tensor, prompt_lens: torch.Tensor,
                 rng: Optional[torch.Generator] = None) -> GenerationInputs:
@@ -245,6 +288,7 @@ class Generator:
         Call inside ``kv_cache.decoding()``; :meth:`generate` does both.
         """
         b = _check_prompts(self, prompts, prompt_lens, rng)
+        _check_groups(self, prompts, prompt_lens)
         inp, P = self.inputs, self.max_prompt_len
         inp.tokens[:b].copy_(prompts)
         inp.tokens[b:].fill_(self.pad_id)
@@ -261,6 +305,11 @@ class Generator:
         # [B, 1, S]: the prompt's real columns; decode opens one response column per step.
         torch.logical_and(self._not_padding, self._is_prompt_col, out=inp.decode_mask[:, 0])
         inp.decode_pos.copy_(inp.prompt_lens[:, None])
+        if self.group_size > 1:  # the first row of each group; the decode buffers keep all B
+            n = self.group_size
+            self._group_tokens.copy_(inp.tokens[::n])
+            self._group_pos.copy_(inp.prefill_pos[::n])
+            self._group_mask.copy_(inp.prefill_mask[::n])
         return inp
 
     def draw_noise(self, rng: Optional[torch.Generator], steps: Optional[int] = None) -> Optional[torch.Tensor]:
@@ -314,9 +363,17 @@ class Generator:
         self._logprobs_out.zero_()
         logits_out = (torch.zeros(self.batch_size, T, self.vocab_size, device=self.device)
                       if return_logits else None)
-        token, logprob, logits = self._prefill(
-            self.model, inp.tokens, inp.prefill_pos, inp.prefill_mask, self.draw_noise(rng), **self.sampling
-        )
+        if self.group_size == 1:
+            token, logprob, logits = self._prefill(
+                self.model, inp.tokens, inp.prefill_pos, inp.prefill_mask, self.draw_noise(rng), **self.sampling
+            )
+        else:
+            with self.kv_cache.rows_every(self.group_size):  # cache rows 0, n, 2n, ...
+                token, logprob, logits = self._prefill(
+                    self.model, self._group_tokens, self._group_pos, self._group_mask,
+                    self.draw_noise(rng), group_size=self.group_size, **self.sampling,
+                )
+            self.kv_cache.copy_to_group(self.group_size, P)
         token = self._record(0, token, logprob, logits, logits_out)
         with contextlib.ExitStack() as stack:
             for i in range(1, T):
@@ -351,7 +408,7 @@ class Generator:
 
 # Argument checks, kept out of the class so that it reads as what it does.
 def _check_sizes(gen: "Generator") -> None:
-    for name in ("batch_size", "max_prompt_len", "max_generated_tokens", "stop_check_every"):
+    for name in ("batch_size", "max_prompt_len", "max_generated_tokens", "stop_check_every", "group_size"):
         value = getattr(gen, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"Generator: {name}={value!r} is invalid; expected an int >= 1.")
@@ -360,6 +417,11 @@ def _check_sizes(gen: "Generator") -> None:
         raise ValueError(
             f"Generator: max_prompt_len + max_generated_tokens = {seq_len} exceeds the "
             f"model's max_seq_len={gen.model.max_seq_len}."
+        )
+    if gen.batch_size % gen.group_size:
+        raise ValueError(
+            f"Generator: batch_size={gen.batch_size} must be a multiple of group_size="
+            f"{gen.group_size}, so that every call holds whole groups."
         )
     bad = [t for t in gen.stop_token_ids if not 0 <= t < gen.vocab_size]
     if bad:
@@ -392,3 +454,19 @@ def _check_prompts(gen: "Generator", prompts: torch.Tensor, prompt_lens: torch.T
     if rng is not None and rng.device.type != gen.device.type:
         raise ValueError(f"generate: rng is a {rng.device} generator but the model is on {gen.device}.")
     return b
+
+
+def _check_groups(gen: "Generator", prompts: torch.Tensor, prompt_lens: torch.Tensor) -> None:
+    n, b, P = gen.group_size, prompts.shape[0], gen.max_prompt_len
+    if n == 1:
+        return
+    if b % n:
+        raise ValueError(f"generate: group_size={n} needs whole groups of rows; got {b} prompts.")
+    lens = prompt_lens.view(-1, n)  # [g, n]
+    real = torch.arange(P, device=prompts.device) >= P - prompt_lens.to(prompts.device)[:, None]  # [b, P]
+    same = (prompts.view(-1, n, P) == prompts.view(-1, n, P)[:, :1]) | ~real.view(-1, n, P)
+    if not bool((lens == lens[:, :1]).all()) or not bool(same.all()):
+        raise ValueError(
+            f"generate: with group_size={n} each run of {n} rows must hold one prompt "
+            "(the same real tokens and length), as repeat_prompts lays them out."
+        )

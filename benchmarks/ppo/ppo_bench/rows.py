@@ -44,6 +44,12 @@ ROWS = {
         "generate": True, "trajectory": True, "loss_step": False, "rollout": False}}),
     "ours_all": Row("ours, + compile.loss_step (all)", "ours", {"compile": {
         "generate": True, "trajectory": True, "loss_step": True, "rollout": False}}),
+    # share_group_prefill: one prefill per group of num_samples_per_prompt rows (a GRPO config).
+    "ours_eager_shared": Row("ours, eager, share_group_prefill", "ours", {"share_group_prefill": True, "compile": {
+        "generate": False, "trajectory": False, "loss_step": False, "rollout": False}}),
+    "ours_generate_shared": Row("ours, + compile.generate, share_group_prefill", "ours", {
+        "share_group_prefill": True, "compile": {
+            "generate": True, "trajectory": False, "loss_step": False, "rollout": False}}),
     # compile.rollout replaces generate + trajectory: steps 1-6 are one compiled region.
     "ours_rollout": Row("ours, compile.rollout + loss_step", "ours", {"compile": {
         "generate": False, "trajectory": False, "loss_step": True, "rollout": True}}),
@@ -51,7 +57,9 @@ ROWS = {
 QUICK_ROWS = ("tt_eager", "ours_eager")
 # --cpu-large: every row but compile.rollout, whose one graph unrolls all T = 64 decode steps
 # (on the tiny task, T = 24, it already took 435 s to compile); --rows still runs it.
-CPU_LARGE_ROWS = tuple(name for name in ROWS if name != "ours_rollout")
+CPU_LARGE_ROWS = tuple(name for name in ROWS if name != "ours_rollout" and not name.endswith("_shared"))
+# The default rows: the _shared ones only differ on a config with num_samples_per_prompt > 1 (--rows).
+DEFAULT_ROWS = tuple(name for name in ROWS if not name.endswith("_shared"))
 
 
 # --gpu: every row of a run stays in memory while the rows take turns (four 1B-body models and

@@ -83,7 +83,8 @@ def _max_or_none(values: List[Optional[float]]) -> Optional[float]:
 
 
 def add_ratios(rows: List[Dict[str, Any]], warmup: int) -> Optional[str]:
-    """Adds each row's per-pair ratios against row 1 (``tt_eager``) and the fastest torchtune row.
+    """Adds each row's per-pair ratios against row 1 (``tt_eager``, else the first row) and the
+    fastest torchtune row.
 
     For every key of ``RATIO_KEYS``: the summary of ``reference / row`` over the measured
     rounds both ran (``bench_common.stats.summarize_ratios``: median, 95% interval, min-max),
@@ -99,7 +100,8 @@ def add_ratios(rows: List[Dict[str, Any]], warmup: int) -> Optional[str]:
         Optional[str]: the name of the fastest torchtune row, if any ran.
     """
     ok = [r for r in rows if r["status"] == "ok"]
-    first = next((r for r in ok if r["name"] == "tt_eager"), None)
+    # without tt_eager (e.g. --rows ours_eager,ours_eager_shared) row 1 is the first row run
+    first = next((r for r in ok if r["name"] == "tt_eager"), ok[0] if ok else None)
     torchtune_rows = [r for r in ok if r["name"].startswith("tt_")]
     fastest = min(torchtune_rows, key=lambda r: r["step_s"]) if torchtune_rows else None
     for r in ok:
