@@ -1,6 +1,6 @@
 """GRPO through `tune run` on the tiny task: groups of 2 responses per prompt, no value model
 built, trained or saved; resume repeats the uninterrupted run; compiled scoring and loss step
-(with no value model) match eager and do not recompile after step 1."""
+(with no value model) match eager and do not recompile after step 1, on one process and on two."""
 
 import math
 import shutil
@@ -85,4 +85,44 @@ def test_two_processes_match_one_without_a_value_model(tmp_path):
         # greedy: both responses of a group are the same
         assert a["zero_std_groups"] == b["zero_std_groups"] == 1.0
     assert sorted(p.name for p in (tmp_path / "two/checkpoints/step_3").iterdir()) == [
+        "COMPLETE", "config.yaml", "policy", "training_state.pt"]
+
+
+# Greedy, so 1 and 2 processes generate the same responses (test_distributed's OVERRIDES): both
+# responses of a group are then the same and GRPO's advantages are exactly 0, so the policy
+# moves by the loss's KL term and entropy bonus, which the critic-free loss step computes too.
+# One minibatch of the 16 responses: the ranks' rows form the 1-process minibatch.
+GRPO_GREEDY = ("advantage_estimator=grpo", "num_samples_per_prompt=2", "forward_batch_size=16", "ppo_batch_size=16",
+               "kl_coeff=0", "loss.kl_coeff=0.1", "loss.entropy_coeff=0.01", "num_ppo_steps=2",
+               "save_every_n_steps=null")
+
+
+@pytest.fixture(scope="module")
+def one_eager_grpo_process(tmp_path_factory):
+    from test_distributed import _run
+
+    return _run(tmp_path_factory.mktemp("grpo_one") / "run", 1, *GRPO_GREEDY)
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_compiled_two_processes_match_one_eager_process_without_a_value_model(one_eager_grpo_process, tmp_path):
+    """compile=True on 2 processes with no value model: generation, scoring (reference and reward
+    models, sharded and gathered) and the policy-only loss step under FSDP2 log the 1-process
+    eager run's numbers, with nothing recompiled after step 1."""
+    from test_distributed import _assert_rows_match, _launch
+
+    one = one_eager_grpo_process
+    out = _launch(tmp_path / "two", 2, *GRPO_GREEDY, "compile=True", "shard_frozen_models=True", timeout=600)
+    assert "CompileConfig(generate=True, trajectory=True, loss_step=True, rollout=False" in out
+    two = read_disk_log(tmp_path / "two/logs")
+    assert len(one) == len(two) == 2
+    _assert_rows_match(one, two)  # and 0 recompiles in every row of the compiled run
+    for a, b in zip(one, two):
+        for key in ("entropy", "kl_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (key, a[key], b[key])
+        assert a["value_loss"] == b["value_loss"] == 0
+        assert a["zero_std_groups"] == b["zero_std_groups"] == 1.0
+    # not vacuous: step 1 moved the policy away from the reference
+    assert abs(one[1]["kl"]) > 1e-6 and abs(one[1]["kl_loss"]) > 1e-9
+    assert sorted(p.name for p in (tmp_path / "two/checkpoints/step_2").iterdir()) == [
         "COMPLETE", "config.yaml", "policy", "training_state.pt"]

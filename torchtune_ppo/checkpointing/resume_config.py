@@ -115,8 +115,9 @@ def check_resume_config(checkpoint: Union[str, Path], cfg: Union[DictConfig, Map
         List[str]: the keys that may change and did (each is logged with both values).
 
     Raises:
-        ResumeConfigError: listing every differing key of :data:`MUST_MATCH` with the saved and
-            the new value, and what to do.
+        ResumeConfigError: listing every differing key of :data:`MUST_MATCH` (and
+            ``value_pretrain.lmbda`` when saved mid-pretraining) with the saved and the new
+            value, and what to do.
     """
     saved = saved_config(checkpoint)
     if saved is None:
