@@ -34,12 +34,12 @@ OVERRIDES = [
 ]
 
 
-def _launch(output_dir: Path, nproc: int, *extra: str, timeout: int = 600) -> str:
-    """Runs the recipe; returns its console output."""
+def _launch(output_dir: Path, nproc: int, *extra: str, timeout: int = 600, config: Path = CONFIG) -> str:
+    """Runs the recipe (on ``config``, with :data:`OVERRIDES`); returns its console output."""
     # --standalone: a free port for the rendezvous, not torchrun's fixed 29500, which another
     # run on the machine (or one that just ended, its socket still closing) may hold.
     launch = ["run"] if nproc == 1 else ["run", "--nproc_per_node", str(nproc), "--standalone"]
-    cmd = [*TUNE, *launch, "ppo_full_finetune", "--config", str(CONFIG),
+    cmd = [*TUNE, *launch, "ppo_full_finetune", "--config", str(config),
            f"output_dir={output_dir}", *OVERRIDES, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
@@ -47,8 +47,8 @@ def _launch(output_dir: Path, nproc: int, *extra: str, timeout: int = 600) -> st
     return proc.stdout + proc.stderr
 
 
-def _run(output_dir: Path, nproc: int, *extra: str, timeout: int = 600):
-    _launch(output_dir, nproc, *extra, timeout=timeout)
+def _run(output_dir: Path, nproc: int, *extra: str, timeout: int = 600, config: Path = CONFIG):
+    _launch(output_dir, nproc, *extra, timeout=timeout, config=config)
     return read_disk_log(output_dir / "logs")
 
 
