@@ -3,7 +3,8 @@
 Two shared runs: ``fixed``, greedy on one batch of 8 prompts, so every pretraining step fits the
 value model to the same returns; ``straight``, sampled over 20 prompts (2 batches an epoch),
 ended by the tolerance, with a checkpoint at every step, against which a run stopped mid-way
-through pretraining and a run resumed after it are compared bit for bit.
+through pretraining and a run resumed after it are compared bit for bit. And 2 processes
+(torchrun, gloo) against 1.
 """
 
 import json
@@ -163,3 +164,18 @@ def test_run_saved_after_pretraining_resumes_in_ppo(straight, tmp_path):
     for step, row in resumed.items():
         _assert_same_metrics(row, reference[step], step)
     _assert_same_tensors(_weights(_step_dir(out, 6)), _weights(_step_dir(reference_out, 6)), "weights at step 6")
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_two_processes_pretrain_as_one(tmp_path):
+    """On 2 processes (greedy, test_distributed's shape) every rank reads the same global value
+    loss, so the ranks end pretraining together, at the step the 1-process run does."""
+    from test_distributed import _assert_rows_match, _run as _launch_run
+
+    options = ("value_pretrain.max_steps=4", "value_pretrain.window=1", "value_pretrain.tolerance=10",
+               "num_ppo_steps=2")  # window 1, tolerance 10: ends after step 2
+    one = _launch_run(tmp_path / "one", 1, *options)
+    two = _launch_run(tmp_path / "two", 2, *options)
+    assert [r["value_pretrain"] for r in one] == [r["value_pretrain"] for r in two] == [1, 1, 0, 0]
+    _assert_rows_match(one, two)
+    assert two[1]["value_pretrain/rel_change"] == pytest.approx(one[1]["value_pretrain/rel_change"], rel=1e-5)
