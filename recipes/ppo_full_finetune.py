@@ -305,8 +305,9 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             if not bad_rows:
                 self._step.update_begins()
                 result = self._update(trajectory, adv.advantages, adv.returns, timer, step, value_pretrain=pretraining)
-        logged_step = self._global_step + 1
-        if self._is_rank_zero and self._log_samples_every_n_steps and logged_step % self._log_samples_every_n_steps == 0:
+        logged_step = self._global_step + 1  # value pretraining's steps first
+        every = self._log_samples_every_n_steps
+        if self._is_rank_zero and every and logged_step % every == 0:
             rows = sample_rows(trajectory, prompt_lens, self._tokenizer, self._prompt_len, n=4)
             log_samples(rows, logged_step, f"{self._output_dir}/logs", log)
         return self._step_metrics(trajectory, adv, None if bad_rows else result, bad_rows, num_truncated, timer,
@@ -385,17 +386,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             pretraining = self._value_pretrain.active
             metrics = self.train_step(batch["tokens"].to(self._device), batch["prompt_lens"].to(self._device),
                                       int(batch["num_truncated"]), batch.get("references"))
-            if pretraining:  # not a PPO step: counted, and its value loss read by the stopping rule, apart
-                self._value_pretrain.record(metrics["value_loss"])
-                metrics.update(self._value_pretrain.metrics())
-                if self._value_pretrain.done and self._is_rank_zero:
-                    log.info(f"Value pretraining done after {self._value_pretrain.steps_run} steps "
-                             f"(value loss moving average {metrics['value_pretrain/loss_avg']:.4g}, relative "
-                             f"change {metrics['value_pretrain/rel_change']:.3g}); PPO starts.")
-            else:
-                self.steps_run += 1
-                if self._value_pretrain.steps_run:
-                    metrics["value_pretrain"] = 0.0
+            self._count_step(metrics, pretraining)
             self._batches_run_in_epoch += 1
             if not self._recompiles.marked:
                 self._recompiles.mark()  # everything after the first step must reuse its graphs
@@ -412,6 +403,21 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                 return
         self.epochs_run += 1
         self._batches_run_in_epoch = 0
+
+    def _count_step(self, metrics: Dict[str, float], pretraining: bool) -> None:
+        """A PPO step counts in ``steps_run``; a value pretraining step apart, and its value loss
+        goes to the stopping rule. Adds the pretraining metrics to ``metrics``."""
+        if not pretraining:
+            self.steps_run += 1
+            if self._value_pretrain.steps_run:  # a run that pretrained: its PPO rows say they are not
+                metrics["value_pretrain"] = 0.0
+            return
+        self._value_pretrain.record(metrics["value_loss"])
+        metrics.update(self._value_pretrain.metrics())
+        if self._value_pretrain.done and self._is_rank_zero:
+            log.info(f"Value pretraining done after {self._value_pretrain.steps_run} steps (value loss moving "
+                     f"average {metrics['value_pretrain/loss_avg']:.4g}, relative change "
+                     f"{metrics['value_pretrain/rel_change']:.3g}); PPO starts.")
 
     @property
     def _global_step(self) -> int:

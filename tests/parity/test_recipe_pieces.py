@@ -423,7 +423,8 @@ def test_value_pretraining_update_leaves_the_policy_and_the_lr_schedule(make_rec
     optimizer, scheduler = recipe._update.optimizer, recipe._update.lr_scheduler
     assert [g["lr"] for g in optimizer.param_groups] == [0.0]  # warm-up's first step
 
-    policy0, value0 = [p.detach().clone() for p in policy.parameters()], [p.detach().clone() for p in value.parameters()]
+    policy0 = [p.detach().clone() for p in policy.parameters()]
+    value0 = [p.detach().clone() for p in value.parameters()]
     recipe._update(trajectory, advantages, returns, PhaseTimer(CPU), step=1, value_pretrain=True)
     assert all(torch.equal(a, b) for a, b in zip(policy0, policy.parameters()))
     assert max((a - b).abs().max().item() for a, b in zip(value0, value.parameters())) > 1e-5
