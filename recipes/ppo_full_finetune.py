@@ -47,6 +47,7 @@ from torchtune_ppo.ppo.advantages import (
 )
 from torchtune_ppo.ppo.kl import KLController
 from torchtune_ppo.ppo.update import LossSettings, PPOUpdate, nonfinite_score_rows, num_updates
+from torchtune_ppo.ppo.value_pretrain import ValuePretraining
 from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rollout import Rollout, ScoringSettings
@@ -95,6 +96,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         # Each prompt is generated n times (a group); the batch then has batch_size * n rows.
         self._estimator, self._n = cfg.advantage_estimator, cfg.num_samples_per_prompt
         self._whiten_rewards = cfg.whiten_rewards
+        # Value pretraining (VC-PPO, VAPO): steps before PPO's first that train the value model alone.
+        self._value_pretrain = ValuePretraining.from_config(cfg.value_pretrain)
         self._save_every_n_steps, self._save_every_n_epochs = cfg.save_every_n_steps, cfg.save_every_n_epochs
         self._log_every_n_steps = cfg.log_every_n_steps
         self._log_samples_every_n_steps = cfg.log_samples_every_n_steps
@@ -144,7 +147,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             state = self._checkpoints.load(resume_from)
             self.steps_run, self.epochs_run = state["steps_run"], state["epochs_run"]
             self._batches_run_in_epoch, self._pending_rng_state = state["batches_run_in_epoch"], state["rng"]
-            self._last_saved_step = self.steps_run
+            self._value_pretrain.load_state_dict(state["value_pretrain"], ppo_steps_run=self.steps_run)
+            self._last_saved_step = self._global_step
             # After the restored state, which holds the saved optimizer settings: the config's win.
             checkpointing.apply_optimizer_overrides(self._update.optimizer, cfg.optimizer, self._update.lr_scheduler)
 
@@ -288,9 +292,13 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
 
         ``num_truncated``, the prompts the collator cut to ``max_prompt_len``, is only logged;
         ``references`` (the dataset's answers, one per row) go to a function reward.
-        A batch with a non-finite score gets no update at all.
+        A batch with a non-finite score gets no update at all. While value pretraining is on,
+        the step is a pretraining step: the critic's returns use its lambda and only the value
+        model is updated.
         """
         timer, step = PhaseTimer(self._device), self.steps_run + 1
+        pretraining = self._value_pretrain.active
+        lmbda = self._value_pretrain.lmbda if pretraining else self._lmbda
         # [B * n, P]: each prompt n times in a row, so a group sits on this rank
         prompts, prompt_lens, references = repeat_prompts(prompts, prompt_lens, references, self._n)
         self._step.begin()  # what a failure of this step may still save
@@ -303,21 +311,26 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                             f"{len(trajectory.scores)} rows; the update is skipped.")
             # step 7: KL-penalised rewards, advantages and returns
             with timer("advantages"):
-                adv = estimate_advantages(trajectory, kl_coeff=self._kl.value, gamma=self._gamma, lmbda=self._lmbda,
+                adv = estimate_advantages(trajectory, kl_coeff=self._kl.value, gamma=self._gamma, lmbda=lmbda,
                                           whiten_rewards=self._whiten_rewards, kl_estimator=self._kl_estimator,
                                           advantage_estimator=self._estimator, num_samples_per_prompt=self._n,
                                           lmbda_actor=self._lmbda_actor, lmbda_length_alpha=self._lmbda_length_alpha)
             # step 8: the PPO update, skipped for a batch with a non-finite score
             if not bad_rows:
                 self._step.update_begins()
-                result = self._update(trajectory, adv.advantages, adv.returns, timer, step)
-        if self._is_rank_zero and self._log_samples_every_n_steps and step % self._log_samples_every_n_steps == 0:
+                result = self._update(trajectory, adv.advantages, adv.returns, timer, step, value_pretrain=pretraining)
+        logged_step = self._global_step + 1  # value pretraining's steps first
+        every = self._log_samples_every_n_steps
+        if self._is_rank_zero and every and logged_step % every == 0:
             rows = sample_rows(trajectory, prompt_lens, self._tokenizer, self._prompt_len, n=4)
-            log_samples(rows, step, f"{self._output_dir}/logs", log)
-        return self._step_metrics(trajectory, adv, None if bad_rows else result, bad_rows, num_truncated, timer)
+            log_samples(rows, logged_step, f"{self._output_dir}/logs", log)
+        return self._step_metrics(trajectory, adv, None if bad_rows else result, bad_rows, num_truncated, timer,
+                                  adapt_kl=not pretraining)
 
-    def _step_metrics(self, trajectory, adv, result, bad_rows: int, num_truncated: int, timer) -> Dict[str, float]:
-        """The step's logged metrics; counts a skipped step and adapts the KL coefficient."""
+    def _step_metrics(self, trajectory, adv, result, bad_rows: int, num_truncated: int, timer,
+                      adapt_kl: bool = True) -> Dict[str, float]:
+        """The step's logged metrics; counts a skipped step and adapts the KL coefficient (not
+        after a value pretraining step)."""
         skipped = self._update.num_updates if result is None else result.skipped_updates
         self._skipped.count(skipped > 0)
         metrics = step_metrics(trajectory, [] if result is None else result.stats, adv.kl, adv.kl_rewards,
@@ -334,7 +347,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         )
         if self._n > 1:
             metrics.update(group_metrics(trajectory.scores, self._n))
-        self._kl.update(metrics["kl"], n=self._batch_size * self._n)  # kl: the global batch's, on every rank
+        if adapt_kl:
+            self._kl.update(metrics["kl"], n=self._batch_size * self._n)  # kl: the global batch's, on every rank
         if self._log_peak_memory_stats:
             metrics.update(training.get_memory_stats(device=self._device))
         return metrics
@@ -347,16 +361,19 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         """
         pbar = tqdm(total=self._num_steps, initial=self.steps_run, desc="PPO", dynamic_ncols=True,
                     disable=not self._is_rank_zero)
+        if self._value_pretrain.active and self._is_rank_zero:
+            log.info(f"Value pretraining: up to {self._value_pretrain.max_steps - self._value_pretrain.steps_run} "
+                     "steps on the starting policy's rollouts before PPO's first step.")
         self._profiler.start()
         resume = resume_command(sys.argv, self._output_dir)
         try:
             with stop_on_signals() as stop:
-                while self.steps_run < self._num_steps and not stop:
+                while (self._value_pretrain.active or self.steps_run < self._num_steps) and not stop:
                     self._run_epoch(on_step, pbar, stop)
-            if self._last_saved_step != self.steps_run:
-                self.save_checkpoint(self.steps_run)
+            if self._last_saved_step != self._global_step:
+                self.save_checkpoint(self._global_step)
         except Exception as e:
-            on_step_failure(e, self._step, steps_run=self.steps_run, saved_step=self._last_saved_step,
+            on_step_failure(e, self._step, steps_run=self._global_step, saved_step=self._last_saved_step,
                             save=self._save_after_failure, world_size=distributed.world_size(),
                             resume=resume, log=log, rank_zero=self._is_rank_zero)
             if isinstance(e, checkpointing.CheckpointWriteError):
@@ -368,7 +385,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             log.info(run_summary(self._score_history, checkpointing.existing_checkpoints(self._output_dir)))
         if stop:
             if self._is_rank_zero:
-                log.warning(f"Stopped after step {self.steps_run}. To continue: {resume}")
+                log.warning(f"Stopped after step {self._global_step}. To continue: {resume}")
             raise SystemExit(128 + stop.signum)
 
     def _run_epoch(self, on_step, pbar: tqdm, stop) -> None:
@@ -380,27 +397,49 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             self._checkpoints.restore_rng(self._pending_rng_state)
             self._pending_rng_state = None
         for batch in batches:
+            pretraining = self._value_pretrain.active
             metrics = self.train_step(batch["tokens"].to(self._device), batch["prompt_lens"].to(self._device),
                                       int(batch["num_truncated"]), batch.get("references"))
-            self.steps_run += 1
+            self._count_step(metrics, pretraining)
             self._batches_run_in_epoch += 1
             if not self._recompiles.marked:
                 self._recompiles.mark()  # everything after the first step must reuse its graphs
-            self._log(metrics, pbar)
-            self._score_history.append({"scores": metrics["scores"]})
+            self._log(metrics, pbar, ppo_step=not pretraining)
+            if not pretraining:
+                self._score_history.append({"scores": metrics["scores"]})
             self._profiler.step()
             if on_step is not None:
-                on_step(self.steps_run, metrics)
+                on_step(self._global_step, metrics)
             stop.agree()  # every rank leaves after the same step
             if self._save_due():
-                self.save_checkpoint(self.steps_run)
+                self.save_checkpoint(self._global_step)
             if self.steps_run == self._num_steps or stop:
                 return
         self.epochs_run += 1
         self._batches_run_in_epoch = 0
 
+    def _count_step(self, metrics: Dict[str, float], pretraining: bool) -> None:
+        """A PPO step counts in ``steps_run``; a value pretraining step apart, and its value loss
+        goes to the stopping rule. Adds the pretraining metrics to ``metrics``."""
+        if not pretraining:
+            self.steps_run += 1
+            if self._value_pretrain.steps_run:  # a run that pretrained: its PPO rows say they are not
+                metrics["value_pretrain"] = 0.0
+            return
+        self._value_pretrain.record(metrics["value_loss"])
+        metrics.update(self._value_pretrain.metrics())
+        if self._value_pretrain.done and self._is_rank_zero:
+            log.info(f"Value pretraining done after {self._value_pretrain.steps_run} steps (value loss moving "
+                     f"average {metrics['value_pretrain/loss_avg']:.4g}, relative change "
+                     f"{metrics['value_pretrain/rel_change']:.3g}); PPO starts.")
+
+    @property
+    def _global_step(self) -> int:
+        """Steps run, value pretraining's first: names the logged rows and the checkpoints."""
+        return self._value_pretrain.steps_run + self.steps_run
+
     def _save_due(self) -> bool:
-        every_n_steps = self._save_every_n_steps and self.steps_run % self._save_every_n_steps == 0
+        every_n_steps = self._save_every_n_steps and self._global_step % self._save_every_n_steps == 0
         # Saved at an epoch's last batch (not after the loop) so that a resume finds the data
         # iterator and the random state in the same order as the uninterrupted run.
         epoch_done = self._batches_run_in_epoch == len(self._dataloader)
@@ -408,27 +447,29 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                           and (self.epochs_run + 1) % self._save_every_n_epochs == 0)
         return bool(every_n_steps or every_n_epochs)
 
-    def _log(self, metrics: Dict[str, float], pbar: tqdm) -> None:
-        if self.steps_run % self._log_every_n_steps == 0:
-            self._metric_logger.log_dict(metrics, step=self.steps_run)
-        pbar.update(1)
+    def _log(self, metrics: Dict[str, float], pbar: tqdm, ppo_step: bool = True) -> None:
+        if self._global_step % self._log_every_n_steps == 0:
+            self._metric_logger.log_dict(metrics, step=self._global_step)
+        if ppo_step:
+            pbar.update(1)
         pbar.set_postfix(progress(metrics))
 
     def save_checkpoint(self, step: int) -> None:
         """Write ``<output_dir>/checkpoints/step_<step>``: policy and value (if any) in HF format
         and the training state (optimizer, counters, data position, random states), atomically."""
-        self._checkpoints.save(step, {"steps_run": self.steps_run, "epochs_run": self.epochs_run,
-                                      "batches_run_in_epoch": self._batches_run_in_epoch},
-                               final=self.steps_run == self._num_steps)
+        self._checkpoints.save(step, self._progress(), final=self.steps_run == self._num_steps)
         self._last_saved_step = step
 
     def _save_after_failure(self, rng) -> str:
         """The state after the last completed step, with the random states from before the
         failed step drew from them."""
-        path = self._checkpoints.save(self.steps_run, {"steps_run": self.steps_run, "epochs_run": self.epochs_run,
-                                                       "batches_run_in_epoch": self._batches_run_in_epoch}, rng=rng)
-        self._last_saved_step = self.steps_run
+        path = self._checkpoints.save(self._global_step, self._progress(), rng=rng)
+        self._last_saved_step = self._global_step
         return path
+
+    def _progress(self) -> Dict:
+        return {"steps_run": self.steps_run, "epochs_run": self.epochs_run,
+                "batches_run_in_epoch": self._batches_run_in_epoch, "value_pretrain": self._value_pretrain.state_dict()}
 
     def cleanup(self) -> None:
         self._metric_logger.close()

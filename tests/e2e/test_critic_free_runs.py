@@ -1,10 +1,11 @@
 """GRPO through `tune run` on the tiny task: groups of 2 responses per prompt, no value model
 built, trained or saved; resume repeats the uninterrupted run; compiled scoring and loss step
-(with no value model) match eager and do not recompile after step 1; one prefill per group
-(share_group_prefill) repeats the run of n prefills, eager and compiled."""
+(with no value model) match eager and do not recompile after step 1, on one process and on two; one
+prefill per group (share_group_prefill) repeats the run of n prefills, eager and compiled."""
 
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,4 +113,51 @@ def test_two_processes_match_one_without_a_value_model(tmp_path):
         # greedy: both responses of a group are the same
         assert a["zero_std_groups"] == b["zero_std_groups"] == 1.0
     assert sorted(p.name for p in (tmp_path / "two/checkpoints/step_3").iterdir()) == [
+        "COMPLETE", "config.yaml", "policy", "training_state.pt"]
+
+
+# The GRPO config of the arithmetic task (a function reward, no reward model), greedy so that 1
+# and 2 processes generate the same responses (test_distributed's OVERRIDES): both responses of
+# a group are the same, so their rewards are exactly equal (ExactMatch; kl_coeff 0 keeps the
+# KL's rounding out of them) and GRPO's advantages exactly 0. The policy moves by the loss's KL
+# term and entropy bonus, which the critic-free loss step computes too. One minibatch of the 16
+# responses: the ranks' rows form the 1-process minibatch. (With a reward model, equal responses
+# score a rounding error apart, which GRPO's division by the group's std makes O(0.1), so a
+# greedy GRPO run on the sentiment task does not repeat across process counts.)
+GRPO_CONFIG = Path(__file__).parents[2] / "recipes/configs/tiny/grpo_tiny_arithmetic.yaml"
+GRPO_GREEDY = ("advantage_estimator=grpo", "num_samples_per_prompt=2", "forward_batch_size=16", "ppo_batch_size=16",
+               "max_generated_tokens=6", "kl_coeff=0", "loss.kl_coeff=0.1", "loss.entropy_coeff=0.01",
+               "num_ppo_steps=2", "save_every_n_steps=null")
+
+
+@pytest.fixture(scope="module")
+def one_eager_grpo_process(tmp_path_factory):
+    from test_distributed import _run
+
+    return _run(tmp_path_factory.mktemp("grpo_one") / "run", 1, *GRPO_GREEDY, config=GRPO_CONFIG)
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_compiled_two_processes_match_one_eager_process_without_a_value_model(one_eager_grpo_process, tmp_path):
+    """compile=True on 2 processes with no value model: generation, scoring (the reference,
+    sharded and gathered) and the policy-only loss step under FSDP2 log the 1-process eager
+    GRPO run's numbers, with nothing recompiled after step 1."""
+    from test_distributed import _assert_rows_match, _launch
+
+    one = one_eager_grpo_process
+    out = _launch(tmp_path / "two", 2, *GRPO_GREEDY, "compile=True", "shard_frozen_models=True", timeout=600,
+                  config=GRPO_CONFIG)
+    assert "CompileConfig(generate=True, trajectory=True, loss_step=True, rollout=False" in out
+    two = read_disk_log(tmp_path / "two/logs")
+    assert len(one) == len(two) == 2
+    _assert_rows_match(one, two)  # and 0 recompiles in every row of the compiled run
+    for a, b in zip(one, two):
+        for key in ("entropy", "kl_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (key, a[key], b[key])
+        assert a["value_loss"] == b["value_loss"] == 0
+        assert a["policy_loss"] == b["policy_loss"] == 0  # GRPO's advantages: exactly 0
+        assert a["zero_std_groups"] == b["zero_std_groups"] == 1.0
+    # not vacuous: step 1 moved the policy away from the reference
+    assert abs(one[1]["kl"]) > 1e-6 and abs(one[1]["kl_loss"]) > 1e-9
+    assert sorted(p.name for p in (tmp_path / "two/checkpoints/step_2").iterdir()) == [
         "COMPLETE", "config.yaml", "policy", "training_state.pt"]

@@ -35,7 +35,7 @@ OVERRIDES = [
 
 
 def _launch(output_dir: Path, nproc: int, *extra: str, timeout: int = 600, config: Path = CONFIG) -> str:
-    """Runs the recipe; returns its console output."""
+    """Runs the recipe (on ``config``, with :data:`OVERRIDES`); returns its console output."""
     # --standalone: a free port for the rendezvous, not torchrun's fixed 29500, which another
     # run on the machine (or one that just ended, its socket still closing) may hold.
     launch = ["run"] if nproc == 1 else ["run", "--nproc_per_node", str(nproc), "--standalone"]

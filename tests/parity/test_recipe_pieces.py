@@ -408,3 +408,31 @@ def test_critic_warmup_resumes_exactly(tmp_path):
     assert any(not torch.equal(p2[k], p3[k]) for k in p2)
     v1, v2 = (weights(tmp_path / "straight", s, "value") for s in (1, 2))
     assert any(not torch.equal(v1[k], v2[k]) for k in v1)
+
+
+def test_value_pretraining_update_leaves_the_policy_and_the_lr_schedule(make_recipe):
+    """A value pretraining update under a warm-up schedule (lr 0 at its start): the value model
+    trains at optimizer.lr, the policy and its optimizer state stay, the scheduler does not move
+    and the param groups get their scheduled lr back."""
+    recipe, cfg = make_recipe(batch_size=4, ppo_epochs=1, **{
+        "lr_scheduler._component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+        "lr_scheduler.num_warmup_steps": 4, "value_pretrain.max_steps": 2})
+    trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
+    advantages, returns = _advantages(cfg, trajectory)[:2]
+    policy, value = recipe._policy_model, recipe._value_model
+    optimizer, scheduler = recipe._update.optimizer, recipe._update.lr_scheduler
+    assert [g["lr"] for g in optimizer.param_groups] == [0.0]  # warm-up's first step
+
+    policy0 = [p.detach().clone() for p in policy.parameters()]
+    value0 = [p.detach().clone() for p in value.parameters()]
+    recipe._update(trajectory, advantages, returns, PhaseTimer(CPU), step=1, value_pretrain=True)
+    assert all(torch.equal(a, b) for a, b in zip(policy0, policy.parameters()))
+    assert max((a - b).abs().max().item() for a, b in zip(value0, value.parameters())) > 1e-5
+    assert not any(p in optimizer.state for p in policy.parameters())
+    assert scheduler.last_epoch == 0 and [g["lr"] for g in optimizer.param_groups] == [0.0]
+
+    # the same update as a PPO step: lr 0, nothing moves, the schedule advances
+    value1 = [p.detach().clone() for p in value.parameters()]
+    recipe._update(trajectory, advantages, returns, PhaseTimer(CPU), step=1)
+    assert all(torch.equal(a, b) for a, b in zip(value1, value.parameters()))
+    assert scheduler.last_epoch == 1

@@ -10,6 +10,13 @@ lists the ones that changed. The optimizer's hyperparameters (``optimizer.lr``,
 ``weight_decay``, ...) are applied to the restored optimizer's param groups after its state is
 loaded (:func:`apply_optimizer_overrides`), since loading the state would put the old ones back.
 
+Value pretraining's keys (``value_pretrain.*``) are read against the checkpoint's pretraining
+state (:func:`value_pretrain_differences`): saved mid-pretraining, ``value_pretrain.lmbda`` must
+match, since the saved loss record that the stopping rule reads holds losses against returns of
+that lambda; ``max_steps``, ``tolerance`` and ``window`` may change (the whole record is saved,
+and the rule is applied to it again with the new values, so pretraining may end at the resume).
+Saved after pretraining ended, every ``value_pretrain`` key may change and none has an effect.
+
 Not checked here: the number of processes. A checkpoint saved on W ranks resumes on any number
 (the optimizer state is keyed by parameter name); the random states restart, with a warning,
 when the count differs (see :class:`~torchtune_ppo.checkpointing.CheckpointClient`).
@@ -21,6 +28,7 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
@@ -107,8 +115,9 @@ def check_resume_config(checkpoint: Union[str, Path], cfg: Union[DictConfig, Map
         List[str]: the keys that may change and did (each is logged with both values).
 
     Raises:
-        ResumeConfigError: listing every differing key of :data:`MUST_MATCH` with the saved and
-            the new value, and what to do.
+        ResumeConfigError: listing every differing key of :data:`MUST_MATCH` (and
+            ``value_pretrain.lmbda`` when saved mid-pretraining) with the saved and the new
+            value, and what to do.
     """
     saved = saved_config(checkpoint)
     if saved is None:
@@ -122,6 +131,8 @@ def check_resume_config(checkpoint: Union[str, Path], cfg: Union[DictConfig, Map
     # A key the saved config lacks did not exist yet when it was saved: the run had its default.
     saved = {**{k: v for k, v in defaults().items() if k not in saved and k in new}, **saved}
     must, may = config_differences(saved, new)
+    pretrain_must, may, why = value_pretrain_differences(checkpoint, may)
+    must += pretrain_must
     if must:
         lines = "\n".join(f"  {k}: saved {old!r}, now {new!r}" for k, old, new in must)
         fix = " ".join(f"{k}={_cli(old)}" for k, old, _ in must if old is not _MISSING)
@@ -129,13 +140,52 @@ def check_resume_config(checkpoint: Union[str, Path], cfg: Union[DictConfig, Map
             f"Cannot resume from {checkpoint}: these keys differ from the config it was saved "
             f"with ({Path(checkpoint) / CONFIG_FNAME}), and the saved training state (data "
             f"position, random states, optimizer and LR schedule) only means something with the "
-            f"saved values:\n{lines}\nResume with the saved values (e.g. {fix or 'remove the new keys'}), "
+            f"saved values:\n{lines}\n{why}Resume with the saved values (e.g. {fix or 'remove the new keys'}), "
             "or start a fresh run in another output_dir (resume_from_checkpoint=False)."
         )
     if may:
         lines = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in may)
         log.info(f"Resuming with config changes from {checkpoint} (the new values apply): {lines}")
     return [k for k, _, _ in may]
+
+
+def saved_value_pretrain(checkpoint: Union[str, Path]) -> Dict[str, Any]:
+    """The checkpoint's value pretraining state (``steps_run``, ``losses``, ``done``), read
+    without loading the rest of the training state into memory; a checkpoint from before value
+    pretraining existed: done when PPO had begun."""
+    from torchtune_ppo.checkpointing.store import TRAINING_STATE_FNAME
+
+    state = torch.load(Path(checkpoint) / TRAINING_STATE_FNAME, map_location="cpu", mmap=True, weights_only=True)
+    saved = state.get("value_pretrain")
+    if saved is None:
+        return {"steps_run": 0, "losses": [], "done": state.get("steps_run", 0) > 0}
+    return dict(saved)
+
+
+def value_pretrain_differences(checkpoint: Union[str, Path], may: List[Tuple[str, Any, Any]]
+                               ) -> Tuple[List[Tuple[str, Any, Any]], List[Tuple[str, Any, Any]], str]:
+    """Splits the ``value_pretrain.*`` keys out of ``may`` by the checkpoint's pretraining state
+    (see the module's docstring): ``(must_match, may_change, why)``, ``why`` the reason for
+    ``must_match`` (a line, or empty). Logs what the changed keys that may change do."""
+    changed = [d for d in may if d[0].startswith("value_pretrain.")]
+    if not changed:
+        return [], may, ""
+    state = saved_value_pretrain(checkpoint)
+    names = ", ".join(k for k, _, _ in changed)
+    if state["done"]:
+        log.info(f"{names} changed, with no effect: value pretraining of the run in {checkpoint} is over "
+                 "(it runs only before PPO's first step).")
+        return [], may, ""
+    must = [d for d in changed if d[0] == "value_pretrain.lmbda"]
+    why = (f"It was saved after {state['steps_run']} of value pretraining's steps: the loss record that "
+           "pretraining's stopping rule reads holds value losses against returns of the saved "
+           "value_pretrain.lmbda.\n") if must else ""
+    rest = [d for d in changed if d not in must]
+    if rest:
+        log.info(f"{checkpoint} was saved after {state['steps_run']} of value pretraining's steps: "
+                 f"{', '.join(k for k, _, _ in rest)} apply from now, to the saved record of "
+                 f"{len(state['losses'])} value losses (pretraining ends at once if it now meets the rule).")
+    return must, [d for d in may if d not in must], why
 
 
 def _param_groups(optimizer: Any) -> List[Tuple[int, Dict[str, Any]]]:

@@ -19,7 +19,7 @@ from torchtune_ppo.checkpointing.store import CheckpointManager, load_training_s
 
 log = utils.get_logger("INFO")
 
-PROGRESS_KEYS = ("steps_run", "epochs_run", "batches_run_in_epoch")
+PROGRESS_KEYS = ("steps_run", "epochs_run", "batches_run_in_epoch")  # and "value_pretrain" when given
 
 
 def capture_rng_state(generators: Sequence[torch.Generator] = ()) -> Dict[str, Any]:
@@ -124,6 +124,8 @@ class CheckpointClient:
             else distributed.full_optimizer_state_dict(self.models, self.optimizer),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             **{k: progress[k] for k in PROGRESS_KEYS},
+            # value pretraining's steps, loss record and whether it is over (plain data)
+            **({"value_pretrain": dict(progress["value_pretrain"])} if "value_pretrain" in progress else {}),
             "skipped_steps": self.skipped_steps.state_dict(),
             **({} if self.kl_controller is None else {"kl_controller": self.kl_controller.state_dict()}),
             "rng": dict(rng) if rng is not None else capture_rng_state(self.generators),
@@ -147,8 +149,9 @@ class CheckpointClient:
 
     def load(self, checkpoint: str) -> Dict[str, Any]:
         """Restores the optimizer, scheduler and skipped steps from ``checkpoint``; returns the
-        progress counters and ``rng``, this rank's random state to restore once the data
-        iterator is back in place (None when saved on another number of ranks)."""
+        progress counters, ``value_pretrain`` (None in a checkpoint from before value pretraining)
+        and ``rng``, this rank's random state to restore once the data iterator is back in place
+        (None when saved on another number of ranks)."""
         state = load_training_state(checkpoint)
         world = distributed.world_size()
         if world == 1 and not distributed.keyed_by_name(state["optimizer"]):
@@ -167,7 +170,7 @@ class CheckpointClient:
             if rng is None and distributed.rank() == 0:
                 log.warning(f"{checkpoint} was saved on {len(per_rank) or 1} process(es), not "
                             f"{world}: the random states start afresh.")
-        return {**{k: state[k] for k in PROGRESS_KEYS}, "rng": rng}
+        return {**{k: state[k] for k in PROGRESS_KEYS}, "value_pretrain": state.get("value_pretrain"), "rng": rng}
 
     def restore_rng(self, rng: Mapping[str, Any]) -> None:
         """Puts back a random state that :meth:`load` returned."""

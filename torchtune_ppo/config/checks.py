@@ -32,6 +32,7 @@ from torchtune_ppo.config.schema import (
     LOSS_KEYS,
     NOTED_KEYS,
     SCHEMA,
+    VALUE_PRETRAIN_KEYS,
     _is_int,
     _show,
     defaults,
@@ -216,6 +217,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
         raise ValueError(f"unknown config key(s) {unknown}; valid keys are {sorted(VALID_KEYS)}.")
     cfg = with_defaults(cfg)
     cfg.loss = _loss_with_defaults(cfg.loss)
+    _check_block_keys(cfg, "value_pretrain", VALUE_PRETRAIN_KEYS)
 
     for key in SCHEMA:
         key.kind.check(key.name, cfg[key.name])
@@ -232,6 +234,14 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
         _check_checkpoint_files(cfg)
     _check_models(cfg)
     return cfg
+
+
+def _check_block_keys(cfg: DictConfig, key: str, valid: Sequence[str]) -> None:
+    block = cfg[key]
+    if isinstance(block, DictConfig):
+        unknown = sorted(set(block.keys()) - set(valid))
+        if unknown:
+            raise ValueError(f"{key}: unknown key(s) {unknown}; valid keys are {list(valid)}.")
 
 
 def _check_optimizer_in_bwd(cfg: DictConfig) -> None:
@@ -272,10 +282,29 @@ def _check_algorithms(cfg: DictConfig) -> None:
             f"critic_warmup_steps={cfg.critic_warmup_steps} with optimizer_in_bwd=True is not supported "
             "(the policy's parameters step inside backward): set critic_warmup_steps=0 or optimizer_in_bwd=False."
         )
+    _check_value_pretrain(cfg)
     loss_kl = cfg.loss.get("kl_coeff", 0) if isinstance(cfg.loss, Mapping) else 0
     if loss_kl and cfg.kl_coeff:
         _note(f"the KL to the reference policy is both in the reward (kl_coeff={cfg.kl_coeff}) and in the "
               f"loss (loss.kl_coeff={loss_kl}); GRPO-style runs set kl_coeff=0.")
+
+
+def _check_value_pretrain(cfg: DictConfig) -> None:
+    block = cfg.value_pretrain
+    if not block.max_steps:
+        if block.tolerance is not None:
+            _note(f"value_pretrain.tolerance={block.tolerance} has no effect: value_pretrain.max_steps=0 turns "
+                  "value pretraining off.")
+        return
+    if cfg.optimizer_in_bwd:
+        raise ValueError(
+            f"value_pretrain.max_steps={block.max_steps} with optimizer_in_bwd=True is not supported (the "
+            "policy's parameters step inside backward, so they cannot be left out): set value_pretrain.max_steps=0 "
+            "or optimizer_in_bwd=False.")
+    if block.tolerance is not None and block.max_steps < 2 * block.window:
+        _note(f"value_pretrain.tolerance={block.tolerance} needs 2 * value_pretrain.window = {2 * block.window} "
+              f"steps of losses, more than value_pretrain.max_steps={block.max_steps}: pretraining runs "
+              f"{block.max_steps} steps.")
 
 
 def _check_batch_sizes(cfg: DictConfig) -> None:
@@ -399,12 +428,14 @@ def _check_advantage_estimator(cfg: DictConfig) -> None:
                 "(grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline)."
             )
         return
+    counts = ("critic_warmup_steps", "value_pretrain.max_steps")
     for key, value in (("critic_warmup_steps", cfg.critic_warmup_steps if cfg.critic_warmup_steps else None),
+                       ("value_pretrain.max_steps", cfg.value_pretrain.max_steps or None),
                        ("lmbda_actor", cfg.lmbda_actor), ("lmbda_length_alpha", cfg.lmbda_length_alpha)):
         if value is not None:
             raise ValueError(
                 f"{key}={value} is for the value model and GAE; advantage_estimator={estimator} has "
-                f"neither (no critic). Set {key}={0 if key == 'critic_warmup_steps' else 'null'}, or use "
+                f"neither (no critic). Set {key}={0 if key in counts else 'null'}, or use "
                 "advantage_estimator=gae."
             )
     if cfg.whiten_rewards:

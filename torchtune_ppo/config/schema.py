@@ -279,6 +279,20 @@ LOSS = Block(
     or_else=" or a `_component_: torchtune.rlhf.loss.PPOLoss` block",
 )
 
+VALUE_PRETRAIN = Block(
+    keys=(
+        Key("max_steps", Int(ge=0), 0,
+            "value pretraining: at most this many steps before PPO's first, each training the value model "
+            "alone on a batch of the frozen starting policy's rollouts; 0: off. Not counted in `num_ppo_steps`"),
+        Key("tolerance", Number(gt=0, optional=True), None,
+            "end pretraining early once `|M_k - M_{k-w}| / |M_{k-w}| < tolerance`, `M_k` the mean value loss "
+            "of the last `window` pretraining steps (e.g. 0.05); null: run `max_steps`"),
+        Key("window", Count(), 5, "`w`, pretraining steps per moving average of the value loss"),
+        Key("lmbda", Number(ge=0, le=1), 1.0,
+            "GAE lambda of the critic's returns during pretraining; 1.0: Monte-Carlo returns (VC-PPO)"),
+    ),
+)
+
 SCHEMA: Tuple[Key, ...] = (
     Key("output_dir", Text(what="a folder path"), REQUIRED,
         "where checkpoints and logs go; the shipped configs use a new folder per run (`${ppo_run_id:}`)"),
@@ -406,6 +420,9 @@ SCHEMA: Tuple[Key, ...] = (
     Key("critic_warmup_steps", Int(ge=0), 0,
         "the first N PPO steps train the value model only (the policy and its optimizer state are "
         "left as they are). `gae` only: the critic-free estimators have no value model"),
+    Key("value_pretrain", VALUE_PRETRAIN, VALUE_PRETRAIN.defaults(),
+        "value pretraining (VC-PPO, VAPO): the keys below; see [Value pretraining](#value-pretraining). "
+        "`gae` only"),
     Key("advantage_estimator", Choice(options=ADVANTAGE_ESTIMATORS), "gae",
         "`gae` (PPO with a value model), or critic-free, with no value model: `grpo`, `dr_grpo`, "
         "`rloo`, `reinforce_plus_plus`, `reinforce_plus_plus_baseline`; see [Algorithms](#algorithms)"),
@@ -470,6 +487,7 @@ NOTED_KEYS = {
     "enable_kv_cache": "generation always uses a static KV cache here; enable_kv_cache is ignored.",
 }
 LOSS_KEYS = tuple(k.name for k in LOSS.keys)
+VALUE_PRETRAIN_KEYS = tuple(k.name for k in VALUE_PRETRAIN.keys)
 # Views of SCHEMA under the names the config module exported before it had one.
 REQUIRED_KEYS = tuple(k.name for k in SCHEMA if k.required)
 BOOL_KEYS = tuple(k.name for k in SCHEMA if isinstance(k.kind, Bool))

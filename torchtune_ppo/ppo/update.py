@@ -147,12 +147,28 @@ class PPOUpdate:
         self._packed_tokens = PackedTokens()
 
     def __call__(self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor,
-                 timer: Callable, step: int) -> UpdateResult:
+                 timer: Callable, step: int, value_pretrain: bool = False) -> UpdateResult:
         """Updates both models on ``trajectory`` (``advantages`` and ``returns`` ``[b, T]``).
 
         ``timer(phase)`` times "loss_step" and "optimizer"; ``step`` (1-based) names the PPO
-        step in warnings.
+        step in warnings. ``value_pretrain``: a value pretraining step, not a PPO step: the
+        value model only, as in critic warm-up, with the LR scheduler left where it is and each
+        param group at its scheduler's base lr (``optimizer.lr``) for the step.
         """
+        if value_pretrain and self.lr_scheduler is not None:
+            groups = self.optimizer.param_groups
+            lrs = [g["lr"] for g in groups]
+            for g in groups:
+                g["lr"] = g.get("initial_lr", g["lr"])
+            try:
+                return self._update(trajectory, advantages, returns, timer, step, True)
+            finally:
+                for g, lr in zip(groups, lrs):
+                    g["lr"] = lr
+        return self._update(trajectory, advantages, returns, timer, step, value_pretrain)
+
+    def _update(self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor,
+                timer: Callable, step: int, value_pretrain: bool) -> UpdateResult:
         self._packed_tokens.reset()
         stats, skipped = [], 0
         micro_batch_size = self._ppo_batch_size // self.gradient_accumulation_steps
@@ -167,7 +183,7 @@ class PPOUpdate:
                     minibatch_stats = self._loss_and_backward(trajectory, advantages, returns,
                                                               micro_batches, lengths, step)
                 with timer("optimizer"):
-                    if self._optimizer_step(minibatch_stats, step):
+                    if self._optimizer_step(minibatch_stats, step, value_pretrain):
                         stats.extend(minibatch_stats)
                     else:
                         skipped += 1
@@ -216,13 +232,13 @@ class PPOUpdate:
                 total.backward()
         return minibatch_stats
 
-    def _optimizer_step(self, minibatch_stats: List[rlhf.PPOStats], step: int) -> bool:
+    def _optimizer_step(self, minibatch_stats: List[rlhf.PPOStats], step: int, value_pretrain: bool = False) -> bool:
         """Clip, then step; or drop the gradients when the loss or their norm is not finite.
         Returns whether the update was applied."""
         loss = torch.stack([s.loss for s in minibatch_stats]).sum()
         if self._in_bwd:  # stepped in backward, which ran only for a finite loss
             return bool(loss.isfinite())
-        if step <= self.critic_warmup_steps:  # torch optimizers skip a parameter whose grad is None
+        if value_pretrain or step <= self.critic_warmup_steps:  # torch optimizers skip a parameter whose grad is None
             for p in self.policy_model.parameters():
                 p.grad = None
         params = chain(*(m.parameters() for m in (self.policy_model, self.value_model) if m is not None))
@@ -232,7 +248,7 @@ class PPOUpdate:
         applied = self._finite(loss, grad_norm, step)
         if applied:
             self.optimizer.step()
-            if self.lr_scheduler is not None:
+            if self.lr_scheduler is not None and not value_pretrain:
                 self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return applied
