@@ -17,10 +17,10 @@ recipe runs it (``--response-len`` tokens per response):
 - optimizer: 4 AdamW steps (fused) of policy + value, plus the gradient-norm clip: bytes.
 
 The bound of a GEMM phase is the time torch.mm takes for exactly that phase's matrix products
-on this machine (30 distinct weight matrices per kind, ``nn.Linear``'s ``x @ W.t()`` and its
-backward's ``dY @ W`` and ``dY.t() @ X``), measured here; attention scores, softmax, norms,
+on this machine (``nn.Linear``'s ``x @ W.t()`` and its backward's ``dY @ W`` and
+``dY.t() @ X``, each the fastest of many calls: see :class:`Trunk`), measured here; attention scores, softmax, norms,
 RoPE, SiLU and sampling are left out (their FLOPs are given apart). The memory bound is bytes /
-bandwidth, bandwidth from a large copy (read + written bytes) and a large sum (read bytes).
+bandwidth, bandwidth from a 1 GiB copy (read + written bytes) and a 1 GiB sum (read bytes).
 Measured phase times are the benchmark's medians, passed in (defaults: ours, everything
 compiled, run 1 of 2026-12-02 in RESULTS.md).
 
@@ -29,7 +29,6 @@ compiled, run 1 of 2026-12-02 in RESULTS.md).
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
@@ -50,7 +49,8 @@ RUN1 = dict(generate=1.349, score=1.718, loss_step=8.082, optimizer=1.393)
 
 
 def _seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median of ``repeats`` timed calls after ``warmup`` untimed ones."""
+    """Fastest of ``repeats`` timed calls after ``warmup`` untimed ones (a bound: the best the
+    machine did, so a call slowed by another process does not count)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -58,7 +58,7 @@ def _seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def prompt_tokens() -> Tuple[float, str]:
@@ -79,39 +79,68 @@ def prompt_tokens() -> Tuple[float, str]:
 
 
 class Trunk:
-    """Times the matrix products of 30 layers (distinct weights) at ``m`` rows."""
+    """Times the matrix products of 30 layers at ``m`` rows.
+
+    Each distinct product (4 weight shapes; forward ``x @ W.t()``, backward ``dY @ W`` and
+    ``dY.t() @ X``) is timed alone on one weight, fastest of ``REPEATS`` calls of a few ms each,
+    and counted 30 times: on a shared machine short calls catch quiet moments that a whole
+    30-layer sweep does not. At 16 rows (decode) a product reads its weight from memory more
+    than it computes, so there the 30 layers' distinct weights are swept in turn instead.
+    """
+
+    REPEATS = 20
 
     def __init__(self, g: torch.Generator) -> None:
-        self.weights = [torch.randn(s, generator=g) for s in LAYER_SHAPES * LAYERS]
         self.vocab = torch.randn(VOCAB, DIM, generator=g)  # the tied embedding, [V, D]
         self.g = g
+        self._sweep = None
 
-    def forward(self, m: int, repeats: int = 3) -> float:
-        x = {n: torch.randn(m, n, generator=self.g) for n in (DIM, MLP)}
-        return _seconds(lambda: [x[w.shape[1]] @ w.t() for w in self.weights], repeats)
+    def _product(self, m: int, out: int, inn: int, kind: str) -> float:
+        w = torch.randn(out, inn, generator=self.g)
+        if kind == "fwd":
+            x = torch.randn(m, inn, generator=self.g)
+            return _seconds(lambda: x @ w.t(), self.REPEATS)
+        dy = torch.randn(m, out, generator=self.g)
+        if kind == "dx":
+            return _seconds(lambda: dy @ w, self.REPEATS)
+        x = torch.randn(m, inn, generator=self.g)
+        return _seconds(lambda: dy.t() @ x, self.REPEATS)
 
-    def backward(self, m: int, repeats: int = 3) -> float:
+    def _layers(self, m: int, kinds) -> float:
+        per_layer = sum(self._product(m, o, i, k) for k in kinds for o, i in LAYER_SHAPES)
+        return LAYERS * per_layer
+
+    def forward(self, m: int) -> float:
+        return self._layers(m, ("fwd",))
+
+    def backward(self, m: int) -> float:
         """``dX = dY @ W`` and ``dW = dY.t() @ X`` for every weight."""
-        t = {n: torch.randn(m, n, generator=self.g) for n in (DIM, KV, MLP)}
-        return _seconds(lambda: [(t[w.shape[0]] @ w, t[w.shape[0]].t() @ t[w.shape[1]]) for w in self.weights],
-                        repeats)
+        return self._layers(m, ("dx", "dw"))
 
-    def vocab_forward(self, m: int, repeats: int = 5) -> float:
+    def forward_streaming(self, m: int, repeats: int = 10) -> float:
+        """The 30 layers' distinct weights in turn (decode: weights come from memory)."""
+        if self._sweep is None:
+            self._sweep = [torch.randn(sh, generator=self.g) for sh in LAYER_SHAPES * LAYERS]
+        x = {n: torch.randn(m, n, generator=self.g) for n in (DIM, MLP)}
+        return _seconds(lambda: [x[w.shape[1]] @ w.t() for w in self._sweep], repeats)
+
+    def vocab_forward(self, m: int, repeats: int = 10) -> float:
         x = torch.randn(m, DIM, generator=self.g)
         return _seconds(lambda: x @ self.vocab.t(), repeats)
 
-    def vocab_backward(self, m: int, repeats: int = 5) -> float:
+    def vocab_backward(self, m: int, repeats: int = 10) -> float:
         dy, x = torch.randn(m, VOCAB, generator=self.g), torch.randn(m, DIM, generator=self.g)
         return _seconds(lambda: (dy @ self.vocab, dy.t() @ x), repeats)
 
 
 def bandwidth() -> Dict[str, float]:
-    """GB/s of a 512 MiB copy (read + written bytes) and of a 512 MiB sum (read bytes)."""
-    src = torch.ones(128 * 2**20)
+    """GB/s of a 1 GiB copy (read + written bytes) and of a 1 GiB sum (read bytes): larger
+    than this machine's L3 (480 MiB)."""
+    src = torch.ones(256 * 2**20)
     dst = torch.empty_like(src)
     nbytes = src.numel() * 4
-    copy = _seconds(lambda: dst.copy_(src), 5)
-    read = _seconds(lambda: src.sum(), 5)
+    copy = _seconds(lambda: dst.copy_(src), 10)
+    read = _seconds(lambda: src.sum(), 10)
     return {"copy": 2 * nbytes / copy / 1e9, "read": nbytes / read / 1e9}
 
 
@@ -131,9 +160,9 @@ def phases(p: float, r: float, trunk: Trunk, bw: Dict[str, float]) -> List[dict]
     # generate: prefill on [16, 32] padded rows, logits at every position ([B, P, V]); then
     # r - 1 decode steps of 16 rows (one token each), each reading all weights once.
     decode_steps = max(round(r) - 1, 0)
-    prefill_vocab = trunk.vocab_forward(rows_prefill, repeats=3)
+    prefill_vocab = trunk.vocab_forward(rows_prefill)
     prefill_gemm = trunk.forward(rows_prefill) + prefill_vocab
-    decode_gemm = trunk.forward(B, repeats=10) + trunk.vocab_forward(B, repeats=10)
+    decode_gemm = trunk.forward_streaming(B) + trunk.vocab_forward(B)
     stream = PARAMS * 4 / bw["read"] / 1e9  # s per decode step
     decode_bound = max(decode_gemm, stream)
     out.append(dict(
@@ -204,13 +233,15 @@ def main(argv=None) -> None:
     rate_m = round(PPO_BATCH * (p + args.response_len - 1))
     a, w = torch.randn(rate_m, DIM, generator=g), torch.randn(MLP, DIM, generator=g)
     hot = 2 * rate_m * DIM * MLP / _seconds(lambda: a @ w.t(), 50) / 1e9
+    a16, w16 = a.bfloat16(), w.bfloat16()  # what dtype=bf16 would give (AMX where the CPU has it)
+    hot_bf16 = 2 * rate_m * DIM * MLP / _seconds(lambda: a16 @ w16.t(), 50) / 1e9
     rows = phases(p, args.response_len, trunk, bw)
 
     print(f"SmolLM2-135M ({PARAMS / 1e6:.1f}M parameters), batch {B}, P {P}, T {T}; "
           f"mean prompt {p:.2f} tokens ({where}), responses {args.response_len} tokens")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; bandwidth: copy {bw['copy']:.1f} GB/s "
           f"(read + written), sum {bw['read']:.1f} GB/s (read); one hot [{rate_m}, {DIM}] @ [{DIM}, {MLP}]: "
-          f"{hot:.0f} GFLOP/s")
+          f"{hot:.0f} GFLOP/s (bf16: {hot_bf16:.0f})")
     print("| phase | measured (s) | GEMM/memory bound (s) | measured / bound | GEMM GFLOP | "
           "bound's GFLOP/s | other FLOPs (GFLOP) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -228,7 +259,7 @@ def main(argv=None) -> None:
     for row in rows:
         print(f"- {row['phase']}: {row['detail']}")
     if args.json:
-        args.json.write_text(json.dumps(dict(prompt_tokens=p, bandwidth=bw, hot_gflops=hot, rows=rows,
+        args.json.write_text(json.dumps(dict(prompt_tokens=p, bandwidth=bw, hot_gflops=hot, hot_bf16_gflops=hot_bf16, rows=rows,
                                              threads=torch.get_num_threads(), torch=torch.__version__), indent=1))
 
 
