@@ -18,8 +18,8 @@ recipe runs it (``--response-len`` tokens per response):
 
 The bound of a GEMM phase is the time torch.mm takes for exactly that phase's matrix products
 on this machine (``nn.Linear``'s ``x @ W.t()`` and its backward's ``dY @ W`` and
-``dY.t() @ X``, each the fastest of many calls: see :class:`Trunk`), measured here; attention scores, softmax, norms,
-RoPE, SiLU and sampling are left out (their FLOPs are given apart). The memory bound is bytes /
+``dY.t() @ X``, each the fastest of many calls: see :class:`Trunk`), measured here; attention
+scores, softmax, norms, RoPE, SiLU and sampling are left out (their FLOPs are given apart). The memory bound is bytes /
 bandwidth, bandwidth from a 1 GiB copy (read + written bytes) and a 1 GiB sum (read bytes).
 Measured phase times are the benchmark's medians, passed in (defaults: ours, everything
 compiled, run 1 of 2026-12-02 in RESULTS.md).
@@ -174,7 +174,8 @@ def phases(p: float, r: float, trunk: Trunk, bw: Dict[str, float]) -> List[dict]
                f"logits, only [{B}, {VOCAB}] of them read); {decode_steps} decode steps x "
                f"max(GEMMs {decode_gemm * 1e3:.1f} ms, streaming {PARAMS * 4 / 2**20:.0f} MiB at "
                f"{bw['read']:.1f} GB/s = {stream * 1e3:.1f} ms)",
-        prefill_s=prefill_gemm, prefill_vocab_s=prefill_vocab, decode_step_gemm_s=decode_gemm, decode_step_stream_s=stream,
+        prefill_s=prefill_gemm, prefill_vocab_s=prefill_vocab, decode_step_gemm_s=decode_gemm,
+        decode_step_stream_s=stream,
     ))
     # score: reference, value and reward trunks on the packed real tokens; reference logits
     # at the B * r response reads; value and reward heads [D, 1] (negligible).
