@@ -260,8 +260,9 @@ def main(argv=None) -> None:
     for row in rows:
         print(f"- {row['phase']}: {row['detail']}")
     if args.json:
-        args.json.write_text(json.dumps(dict(prompt_tokens=p, bandwidth=bw, hot_gflops=hot, hot_bf16_gflops=hot_bf16, rows=rows,
-                                             threads=torch.get_num_threads(), torch=torch.__version__), indent=1))
+        report = dict(prompt_tokens=p, bandwidth=bw, hot_gflops=hot, hot_bf16_gflops=hot_bf16, rows=rows,
+                      threads=torch.get_num_threads(), torch=torch.__version__)
+        args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -467,7 +467,8 @@ def test_the_smollm2_config_compiled_does_not_recompile(folder, eager_run, tmp_p
     assert len(rows) == 2 and rows[1]["recompiles"] == 0, rows
     # dynamo's log: each region traced, and traced once in the whole run (a recompile retraces)
     traced = re.findall(r"torchdynamo done tracing (\w+)", stderr)
-    assert sorted(traced) == ["generate_next_token", "packed_ppo_loss_step", "packed_score_trajectory", "prefill"], traced
+    regions = ["generate_next_token", "packed_ppo_loss_step", "packed_score_trajectory", "prefill"]
+    assert sorted(traced) == regions, traced
     speed = ("time/", "tokens_per_second", "generated_tokens_per_second", "peak_memory")
     for step in range(2):
         keys = [k for k in eager[step] if not k.startswith(speed)]
