@@ -10,9 +10,12 @@ Two numbers, fp32, torch's default threads:
   16 rows cannot go below, and the rate at which it streams the weights.
 
     python benchmarks/bounds/gemm_bound.py
+    python benchmarks/bounds/gemm_bound.py --smollm2   # per phase on SmolLM2-135M: smollm2_bound.py
 """
 
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -47,4 +50,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--smollm2" in sys.argv[1:]:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import smollm2_bound
+
+        smollm2_bound.main([a for a in sys.argv[1:] if a != "--smollm2"])
+    else:
+        main()

