@@ -444,3 +444,17 @@ def test_share_group_prefill_needs_whole_groups_per_generation_call():
     with pytest.raises(ValueError, match="forward_batch_size=16 over 8 processes gives 2 rows per rank, not a "
                                          "multiple of num_samples_per_prompt=4"):
         distributed.check_world_size(OmegaConf.merge(cfg, {"batch_size": 32, "ppo_batch_size": 16}), 8)
+
+
+def test_grpo_gives_a_group_within_rounding_of_equal_no_advantage():
+    """Equal responses scored a rounding error apart (std 5e-8 here) get 0, not (r - mean) / 1e-6;
+    a group with a real spread keeps the formula."""
+    rounding = torch.tensor([3.0, 3.0 + 2.4e-7, 3.0, 3.0])  # float32 steps near 3 are 2.4e-7
+    spread = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    out = group_baseline(torch.cat([rounding, spread]), 4, "grpo")
+    assert out[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
+    std = math.sqrt(0.25)  # unbiased: sum of squares 0.75 / 3
+    expected = [0.75 / (std + 1e-6), -0.25 / (std + 1e-6), -0.25 / (std + 1e-6), -0.25 / (std + 1e-6)]
+    assert out[4:].tolist() == pytest.approx(expected, rel=1e-6)
+    # dr_grpo and rloo do not divide: their advantages stay the rounding error they are
+    assert group_baseline(rounding, 4, "dr_grpo").abs().max() < 1e-6

@@ -76,8 +76,9 @@ def repeat_prompts(
 def group_baseline(rewards: torch.Tensor, n: int, estimator: str) -> torch.Tensor:
     """Outcome advantages of ``rewards [g * n]`` against their group of ``n`` (contiguous).
 
-    - ``grpo``: ``(r - mean) / (std + 1e-6)``, std unbiased (0 for a group of identical rewards,
-      whose advantages are then 0).
+    - ``grpo``: ``(r - mean) / (std + 1e-6)``, std unbiased; 0 for a group whose std is at most
+      1e-6 (``GROUP_STD_EPS``): equal responses scored by a model may differ by a rounding error
+      (packed differently), which the division would blow up to advantages of ~0.1.
     - ``dr_grpo`` and ``reinforce_plus_plus_baseline``: ``r - mean``.
     - ``rloo``: ``r - mean(others) = n / (n - 1) * (r - mean)``.
 
@@ -90,7 +91,8 @@ def group_baseline(rewards: torch.Tensor, n: int, estimator: str) -> torch.Tenso
     groups = rewards.view(-1, n)  # [g, n]
     centred = groups - groups.mean(-1, keepdim=True)
     if estimator == "grpo":
-        out = centred / (groups.std(-1, keepdim=True) + GROUP_STD_EPS)
+        std = groups.std(-1, keepdim=True)
+        out = torch.where(std > GROUP_STD_EPS, centred / (std + GROUP_STD_EPS), torch.zeros_like(centred))
     elif estimator in ("dr_grpo", "reinforce_plus_plus_baseline"):
         out = centred
     elif estimator == "rloo":
