@@ -228,9 +228,9 @@ def _record_updates(recipe):
     updates = []
     step_fn = recipe._update._optimizer_step
 
-    def optimizer_step(minibatch_stats, step):
+    def optimizer_step(minibatch_stats, step, *args):
         before = _params(recipe)
-        applied = step_fn(minibatch_stats, step)
+        applied = step_fn(minibatch_stats, step, *args)
         updates.append((recipe.steps_run + 1, applied, not _same_params(before, _params(recipe))))
         return applied
 
@@ -761,8 +761,8 @@ def test_exception_after_an_optimizer_step_saves_nothing_and_says_why(tmp_path, 
     recipe = _build(out, prompts, "num_ppo_steps=5", "save_every_n_steps=1000")
     step_fn = recipe._update._optimizer_step
 
-    def fails_after_stepping(minibatch_stats, step):
-        applied = step_fn(minibatch_stats, step)
+    def fails_after_stepping(minibatch_stats, step, *args):
+        applied = step_fn(minibatch_stats, step, *args)
         if step == 3:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return applied
