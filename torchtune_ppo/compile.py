@@ -1,14 +1,16 @@
-"""The one place that decides how hot regions are compiled.
+"""The one place that decides how hot regions are compiled, at the top of a run.
 
 :func:`regions` returns every region's callable for a run, compiled or eager, with its mode and
-fullgraph decided here from the config's ``compile:`` block; :func:`generation_steps` does the
-same for the generator's prefill and decode step. Every compiled region is a plain function
-wrapped by :func:`maybe_compile`. No process-wide
-dynamo or inductor setting is changed: ``dynamic=False`` already keeps shapes static (a new
-shape is a new static graph, never a symbolic one) and specializes Python floats such as the
-temperature, so a user's own ``torch.compile`` calls see the defaults they expect. The only
-other dynamo feature used, skipping guard evaluation inside the decode loop, is scoped to the
-loop by :func:`skip_guard_checks`.
+fullgraph decided here from the config's ``compile:`` block, and the recipe hands them down:
+the generator gets its prefill and decode step (:func:`generation_steps`), the rollout its
+scoring region, the update its loss step. Nothing below imports this module. Every compiled
+region is a plain function wrapped by :func:`maybe_compile`. No process-wide dynamo or inductor
+setting is changed: ``dynamic=False`` already keeps shapes static (a new shape is a new static
+graph, never a symbolic one) and specializes Python floats such as the temperature, so a user's
+own ``torch.compile`` calls see the defaults they expect. The only other dynamo feature used,
+skipping guard evaluation inside the decode loop, is scoped to the loop
+(:func:`torchtune_ppo._patches.dynamo.skip_guard_checks`, entered by the generator when its
+steps are compiled).
 
 For tests only, the environment variable ``TORCHTUNE_PPO_COMPILE_BACKEND`` (``eager`` or
 ``aot_eager``; unset: inductor) swaps the backend every region is compiled with
@@ -17,27 +19,23 @@ guards are what decide recompiles, so a test can count a real model's recompiles
 inductor's code generation (about 400 s a region for SmolLM2's 30 unrolled layers on 2 cores).
 """
 
-import contextlib
-import inspect
 import os
 import warnings
-from typing import Any, Callable, ContextManager, NamedTuple, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
 import torch
 
 from torchtune_ppo._patches import dynamo as dynamo_patches
+from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
+from torchtune_ppo.rollout.fused import fused_rollout
+from torchtune_ppo.rollout.generation import GenerationSteps, generate_next_token, prefill, prefill_group
+from torchtune_ppo.rollout.scoring import packed_score_trajectory
 
 F = TypeVar("F", bound=Callable)
-T = TypeVar("T")
 
 # CUDA graphs replay on the decode step only; the prefill, run once per batch, goes without.
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 _NO_CUDAGRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
-
-# torch >= 2.7 can run only the guards that tell cache entries apart.
-_HAS_SKIP_GUARD_EVAL = "skip_guard_eval_unsafe" in inspect.signature(
-    torch.compiler.set_stance
-).parameters
 
 
 BACKEND_ENV = "TORCHTUNE_PPO_COMPILE_BACKEND"
@@ -80,27 +78,29 @@ class Regions(NamedTuple):
     """The compiled (or eager) callables of a run, from :func:`regions`.
 
     Attributes:
-        generate (bool): the generator compiles its prefill and decode step
-            (:func:`generation_steps`, in ``mode``).
-        mode (str): the ``torch.compile`` mode of the generator's regions.
+        generation (GenerationSteps): the generator's prefill and decode step, compiled with
+            ``compile.generate`` in ``compile.mode`` (:func:`generation_steps`).
         score (Callable): steps 2-6 on packed rows,
             :func:`~torchtune_ppo.rollout.scoring.packed_score_trajectory`.
         fused_rollout (Optional[Callable]): steps 1-6 as one region
             (:func:`~torchtune_ppo.rollout.fused.fused_rollout`) with ``compile.rollout``, else None.
         loss_step (Callable): :func:`~torchtune_ppo.ppo.loss_step.packed_ppo_loss_step`.
+        loss_step_fixed_shapes (bool): the loss step takes micro-steps of fixed shapes. Under
+            FSDP (several processes) its compiled graph breaks at each sharded module's hooks,
+            and the frames between them would specialise any dynamic size.
         whole_scoring_models (bool): the scoring runs as one graph, which cannot cross FSDP's
             hooks: sharded scoring models are gathered whole around it.
     """
 
-    generate: bool
-    mode: str
+    generation: GenerationSteps
     score: Callable
     fused_rollout: Optional[Callable]
     loss_step: Callable
+    loss_step_fixed_shapes: bool
     whole_scoring_models: bool
 
 
-def regions(compile_cfg: Any, *, world_size: int = 1) -> Regions:
+def regions(compile_cfg: Any, *, world_size: int = 1, device: Optional[torch.device] = None) -> Regions:
     """Every region's callable for a run, from the parsed ``compile:`` block.
 
     Args:
@@ -108,82 +108,55 @@ def regions(compile_cfg: Any, *, world_size: int = 1) -> Regions:
             ``mode`` (:func:`torchtune_ppo.config.parse_compile`).
         world_size (int): processes of the run. Under FSDP (> 1) the loss step compiles with
             ``fullgraph=False``: its forward and backward need FSDP2's hooks, which dynamo
-            cannot trace, so the graph breaks at each sharded module.
+            cannot trace, so the graph breaks at each sharded module; its micro-steps then have
+            fixed shapes.
+        device (Optional[torch.device]): where generation runs (CUDA graphs need CUDA); None: CPU.
 
     Returns:
         Regions: compiled regions where the block says so, eager twins elsewhere.
     """
-    from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
-    from torchtune_ppo.rollout.fused import fused_rollout
-    from torchtune_ppo.rollout.scoring import packed_score_trajectory
-
     compile_backend()  # a bad test backend is refused before any weights load
     fused = compile_cfg.rollout
     if fused and (compile_cfg.generate or compile_cfg.trajectory):
         warnings.warn("compile.rollout compiles steps 1-6 as one region; compile.generate and "
                       "compile.trajectory are unused.")
     return Regions(
-        generate=compile_cfg.generate and not fused,
-        mode=compile_cfg.mode,
+        generation=generation_steps(compiled=compile_cfg.generate and not fused, mode=compile_cfg.mode,
+                                    device=device or torch.device("cpu")),
         score=maybe_compile(packed_score_trajectory, enabled=compile_cfg.trajectory and not fused),
         fused_rollout=maybe_compile(fused_rollout, enabled=True) if fused else None,
         loss_step=maybe_compile(packed_ppo_loss_step, enabled=compile_cfg.loss_step,
                                 fullgraph=world_size == 1),
+        loss_step_fixed_shapes=world_size > 1,
         whole_scoring_models=compile_cfg.trajectory or fused,
     )
 
 
-def generation_steps(
-    prefill: F, decode: F, *, compiled: bool, mode: str, device: torch.device
-) -> Tuple[F, F, bool]:
-    """The generator's prefill and decode step, compiled in ``mode`` or eager; and whether the
-    decode step replays CUDA graphs.
+def generation_steps(*, compiled: bool, mode: str = "default",
+                     device: torch.device = torch.device("cpu")) -> GenerationSteps:
+    """The generator's prefill (one per row, or one per group) and decode step, compiled in
+    ``mode`` or eager.
 
     CUDA graphs (``"reduce-overhead"``, ``"max-autotune"``) apply to the decode step only, and
-    only on CUDA; the prefill, run once per batch, is compiled without them.
+    only on CUDA; the prefills, run once per batch, are compiled without them.
     """
     cudagraphs = compiled and mode in CUDAGRAPH_MODES and device.type == "cuda"
     if compiled and mode in CUDAGRAPH_MODES and not cudagraphs:
         warnings.warn(f"compile_mode={mode!r} uses CUDA graphs, which need a CUDA device; on "
                       f"{device.type} the steps run without them.")
-    return (
-        maybe_compile(prefill, enabled=compiled, mode=without_cudagraphs(mode)),
-        maybe_compile(decode, enabled=compiled, mode=mode),
-        cudagraphs,
+    prefill_mode = without_cudagraphs(mode)
+    return GenerationSteps(
+        prefill=maybe_compile(prefill, enabled=compiled, mode=prefill_mode),
+        prefill_group=maybe_compile(prefill_group, enabled=compiled, mode=prefill_mode),
+        decode=maybe_compile(generate_next_token, enabled=compiled, mode=mode),
+        compiled=compiled,
+        cudagraphs=cudagraphs,
     )
-
-
-def mark_dynamic(packed: T, *, rows: Sequence[torch.Tensor], reads: Sequence[torch.Tensor]) -> T:
-    """Marks the sizes of a packed region's inputs dynamic: dim 0 (the rows ``R``) of each of
-    ``rows`` and dim 1 (the chunk length ``K``) of each ``[C, K]`` tensor of ``reads``.
-
-    A region compiled with ``dynamic=False`` then traces one graph symbolic in exactly these
-    sizes, and every later length mix reuses it. Both must be at least 2 (dynamo specialises
-    sizes 0 and 1). Eager code ignores the marks. Returns ``packed``.
-    """
-    for t in rows:
-        torch._dynamo.mark_dynamic(t, 0)
-    for t in reads:
-        torch._dynamo.mark_dynamic(t, 1)
-    return packed
 
 
 def without_cudagraphs(mode: str) -> str:
     """The compile mode to use for a region that should not capture CUDA graphs."""
     return _NO_CUDAGRAPHS.get(mode, mode)
-
-
-def skip_guard_checks(enabled: bool) -> ContextManager:
-    """Skips guard evaluation of already-compiled regions inside the ``with`` block.
-
-    Safe only where nothing the guards cover changes: the decode loop after its first step
-    (evaluating them costs ~0.2 ms a step on CPU). A no-op when ``enabled`` is False, on torch
-    without the feature, and when the user set a stance of their own (e.g. ``force_eager``),
-    which entering a new stance would override.
-    """
-    if not (enabled and _HAS_SKIP_GUARD_EVAL and dynamo_patches.current_stance() == "default"):
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
 
 
 def compile_count() -> int:

@@ -213,29 +213,3 @@ def load_full_optimizer_state_dict(
         nn.ModuleDict(models), optimizer, optim_state_dict=state,
         options=StateDictOptions(full_state_dict=True),
     )
-
-
-def check_world_size(cfg, world_size: int) -> None:
-    """The global batch keys must split evenly over ``world_size`` processes.
-
-    Raises:
-        ValueError: naming the key, its value and the number of processes.
-    """
-    if world_size == 1:
-        return
-    for key in ("batch_size", "forward_batch_size", "ppo_batch_size"):
-        if cfg[key] % world_size:
-            raise ValueError(f"{key}={cfg[key]} is the global number of prompts per step, "
-                             f"split over {world_size} processes: it must be a multiple of {world_size}.")
-    if (cfg.ppo_batch_size // world_size) % cfg.gradient_accumulation_steps:
-        raise ValueError(f"ppo_batch_size={cfg.ppo_batch_size} over {world_size} processes gives "
-                         f"{cfg.ppo_batch_size // world_size} rows per rank, not a multiple of "
-                         f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}.")
-    n = cfg.num_samples_per_prompt
-    if cfg.share_group_prefill and n > 1 and (cfg.forward_batch_size // world_size) % n:
-        raise ValueError(f"forward_batch_size={cfg.forward_batch_size} over {world_size} processes gives "
-                         f"{cfg.forward_batch_size // world_size} rows per rank, not a multiple of "
-                         f"num_samples_per_prompt={n}, as share_group_prefill=True needs.")
-    if cfg.optimizer_in_bwd:
-        raise ValueError("optimizer_in_bwd=True runs on one process only; set it to False "
-                         f"to run on {world_size} processes.")

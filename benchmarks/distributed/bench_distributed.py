@@ -235,7 +235,7 @@ def generation_worker(args) -> None:
     batch, prompt_len, steps = 8, 16, 32
     gen = Generator(policy, batch_size=batch, max_prompt_len=prompt_len, max_generated_tokens=steps,
                     pad_id=0, stop_token_ids=[], temperature=1.0, top_k=1, top_p=None,
-                    compiled=False, compile_mode="default", dtype=torch.float32, device=device)
+                    dtype=torch.float32, device=device)
     prompts = torch.randint(3, 100, (batch, prompt_len))
     lens = torch.full((batch,), prompt_len)
 

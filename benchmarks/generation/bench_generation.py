@@ -47,6 +47,7 @@ from torchtune.models.llama2._component_builders import llama2
 from torchtune.models.llama3_2._component_builders import llama3_2
 from torchtune.modules import local_kv_cache
 
+from torchtune_ppo.compile import generation_steps
 from torchtune_ppo.rollout.generation import Generator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,8 +142,8 @@ def torchtune_runner(model, args, *, kv_cache: bool, compiled: bool) -> Callable
 def ours_runner(model, args, *, compiled: bool, group_size: int = 1) -> Callable:
     gen = Generator(model, batch_size=args.batch, max_prompt_len=args.prompt_len,
                     max_generated_tokens=args.gen_len, pad_id=PAD, stop_token_ids=[],
-                    temperature=1.0, top_k=TOP_K, compiled=compiled, group_size=group_size,
-                    compile_mode=args.compile_mode, dtype=args.dtype,
+                    temperature=1.0, top_k=TOP_K, group_size=group_size, dtype=args.dtype,
+                    steps=generation_steps(compiled=compiled, mode=args.compile_mode, device=torch.device(args.device)),
                     device=torch.device(args.device))
     # The one private reach (see the module docstring): Generator has no public prefill seam.
     # With groups the prefill ends once the cache is copied into the groups' rows.

@@ -14,7 +14,7 @@ from torchtune import training
 from torchtune.training import FullModelHFCheckpointer
 
 from torchtune_ppo import distributed
-from torchtune_ppo.ppo import packing
+from torchtune_ppo.rlhf import packing
 from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.run import memory
 from torchtune_ppo.config import validate_config

@@ -202,7 +202,7 @@ def _build(out, prompts, *overrides, policy_model=None, reward_and_value_model=N
 
 def _params(recipe):
     return {f"{m}/{k}": p.detach().clone()
-            for m, model in (("policy", recipe._policy_model), ("value", recipe._value_model))
+            for m, model in (("policy", recipe._models.policy), ("value", recipe._models.value))
             for k, p in model.named_parameters()}
 
 
@@ -231,7 +231,7 @@ def _record_updates(recipe):
     def optimizer_step(minibatch_stats, step, *args):
         before = _params(recipe)
         applied = step_fn(minibatch_stats, step, *args)
-        updates.append((recipe.steps_run + 1, applied, not _same_params(before, _params(recipe))))
+        updates.append((recipe._progress.steps_run + 1, applied, not _same_params(before, _params(recipe))))
         return applied
 
     recipe._update._optimizer_step = optimizer_step
@@ -375,7 +375,7 @@ def test_nonfinite_score_loss_and_gradient_skip_only_their_update(tmp_path, prom
 
     def rollout_with_nan(*args, **kwargs):
         trajectory = rollout(*args, **kwargs)
-        if recipe.steps_run + 1 == 2:
+        if recipe._progress.steps_run + 1 == 2:
             scores = trajectory.scores.clone()
             scores[5] = float("nan")
             trajectory = trajectory._replace(scores=scores)
@@ -387,7 +387,7 @@ def test_nonfinite_score_loss_and_gradient_skip_only_their_update(tmp_path, prom
 
     def advantages_with_nan(*args, **kwargs):
         adv = estimate_advantages(*args, **kwargs)
-        if recipe.steps_run + 1 == 4:
+        if recipe._progress.steps_run + 1 == 4:
             # One row's advantages: the one minibatch holding it in each PPO epoch has a NaN loss.
             advantages = adv.advantages.clone()
             advantages[3] = float("nan")
@@ -398,7 +398,7 @@ def test_nonfinite_score_loss_and_gradient_skip_only_their_update(tmp_path, prom
     calls = collections.Counter()
 
     def loss_step_with_nan_gradient(*args, **kwargs):
-        step = recipe.steps_run + 1
+        step = recipe._progress.steps_run + 1
         calls[step] += 1
         loss, stats = loss_step(*args, **kwargs)
         if step == 6 and calls[step] == 1:  # first minibatch of step 6: finite loss, NaN gradients
@@ -505,7 +505,7 @@ def test_consecutive_nonfinite_scores_stop_the_run(tmp_path, prompts, caplog):
     assert "max_consecutive_skipped_steps=3" in str(err.value)
     assert "resume_from_checkpoint=True" in str(err.value)
     # The third skipped step raises before it counts as run or is saved.
-    assert steps == [1, 2] and recipe.steps_run == 2
+    assert steps == [1, 2] and recipe._progress.steps_run == 2
     assert _nonfinite_warnings(caplog) == [
         f"step {s}: the reward is not finite in 8 of 8 rows; the update is skipped." for s in (1, 2, 3)]
     assert _same_params(_params(recipe), initial)
@@ -734,7 +734,7 @@ def test_exception_in_the_rollout_saves_the_last_completed_step_and_resumes_exac
 
     def reward_raises_at_step_3(*args, **kwargs):
         trajectory = rollout(*args, **kwargs)  # the failed step has drawn its samples
-        if recipe.steps_run == 2:
+        if recipe._progress.steps_run == 2:
             raise ZeroDivisionError("the reward function failed")
         return trajectory
 

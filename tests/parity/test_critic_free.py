@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import EOS_ID, PAD_ID, tiny_classifier, tiny_policy
-from torchtune_ppo.ppo import packing
+from torchtune_ppo.rlhf import packing
 from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.rollout.fused import score_trajectory
 from torchtune_ppo.rollout.scoring import packed_score_trajectory

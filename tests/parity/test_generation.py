@@ -11,6 +11,7 @@ import torch
 from torchtune import generation as tt_generation
 from torchtune.models.llama3_2._component_builders import llama3_2
 
+from torchtune_ppo.compile import generation_steps
 from torchtune_ppo.rollout.generation import GenerationOutput, Generator
 from torchtune_ppo.rollout.sampling import sample
 
@@ -81,13 +82,13 @@ def model():
 @pytest.fixture(scope="module")
 def greedy_compiled(model):
     return Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T,
-                     pad_id=PAD, stop_token_ids=[], top_k=1, compiled=True)
+                     pad_id=PAD, stop_token_ids=[], top_k=1, steps=generation_steps(compiled=True))
 
 
 @pytest.fixture(scope="module")
 def sampling_compiled(model):
     return Generator(model, batch_size=BATCH, max_prompt_len=P, max_generated_tokens=T,
-                     pad_id=PAD, stop_token_ids=[5, 17], compiled=True, stop_check_every=4,
+                     pad_id=PAD, stop_token_ids=[5, 17], steps=generation_steps(compiled=True), stop_check_every=4,
                      **SAMPLING)
 
 
@@ -387,12 +388,12 @@ def test_group_prefill_logprobs_match_full_forward(model):
 
 def test_group_prefill_invalid_arguments(model):
     kw = dict(max_prompt_len=P, max_generated_tokens=T, pad_id=PAD, stop_token_ids=[])
-    with pytest.raises(ValueError, match="batch_size=6 must be a multiple of group_size=4"):
+    with pytest.raises(ValueError, match=r"Generator: batch_size=6 is not a multiple of num_samples_per_prompt=4 \(the group size\)"):
         Generator(model, batch_size=6, group_size=4, **kw)
     with pytest.raises(ValueError, match="group_size=0 is invalid"):
         Generator(model, batch_size=4, group_size=0, **kw)
     gen = Generator(model, batch_size=4, group_size=2, **kw)
-    with pytest.raises(ValueError, match="group_size=2 needs whole groups of rows; got 3 prompts"):
+    with pytest.raises(ValueError, match=r"generate: a call of 3 prompts is not a multiple of num_samples_per_prompt=2"):
         gen.generate(left_padded([3, 3, 3]), torch.tensor([3, 3, 3]))
     prompts = left_padded([4, 4], seed=1)  # two different prompts where one group should be
     with pytest.raises(ValueError, match="each run of 2 rows must hold one prompt"):

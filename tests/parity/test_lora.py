@@ -15,7 +15,7 @@ from torchtune_ppo.config import parse_compile
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rollout.generation import Generator
-from torchtune_ppo.rollout.trajectory import ScoringSettings
+from torchtune_ppo.rlhf import ScoringSettings
 
 P, T = 6, 5
 STOP = torch.tensor([EOS_ID])
@@ -113,9 +113,8 @@ def test_rollout_reference_is_the_base_model_exactly():
     timer = lambda phase: contextlib.nullcontext()  # noqa: E731
     gen = Generator(model, batch_size=2, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD_ID,
                     stop_token_ids=[EOS_ID], temperature=0.7)
-    shared = Rollout(gen, model, value, reward, STOP, SETTINGS, regions(parse_compile(False)),
-                     reference=lambda: lora.adapters_off(model))
-    copied = Rollout(gen, base, value, reward, STOP, SETTINGS, regions(parse_compile(False)))
+    shared = Rollout(gen, model, value, reward, STOP, SETTINGS, reference=lambda: lora.adapters_off(model))
+    copied = Rollout(gen, base, value, reward, STOP, SETTINGS)
     a = shared(prompts, lens, torch.Generator().manual_seed(0), timer)
     b = copied(prompts, lens, torch.Generator().manual_seed(0), timer)
     for name, x, y in zip(a._fields, a, b):
@@ -132,8 +131,8 @@ def test_fused_rollout_is_refused_for_a_lora_reference():
                     stop_token_ids=[EOS_ID], temperature=0.7)
     fused = regions(parse_compile({"rollout": True, "generate": False, "trajectory": False, "loss_step": False}))
     with pytest.raises(ValueError, match="compile.rollout"):
-        Rollout(gen, model, tiny_classifier(1), ModelReward(tiny_classifier(2)), STOP, SETTINGS, fused,
-                reference=lambda: lora.adapters_off(model))
+        Rollout(gen, model, tiny_classifier(1), ModelReward(tiny_classifier(2)), STOP, SETTINGS,
+                fused_rollout=fused.fused_rollout, reference=lambda: lora.adapters_off(model))
 
 
 def test_classifier_checkpointer_writes_adapters_like_torchtunes(tmp_path):

@@ -9,7 +9,7 @@ from torchtune.rlhf.loss import PPOLoss
 
 from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_policy
 from torchtune_ppo.compile import maybe_compile
-from torchtune_ppo.rollout.trajectory import masks_and_positions
+from torchtune_ppo.rlhf import masks_and_positions
 from twins.loss_step import ppo_loss_step
 
 P, T, B = 6, 5, 4

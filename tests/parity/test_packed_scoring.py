@@ -11,19 +11,18 @@ import pytest
 import torch
 
 from conftest import EOS_ID, PAD_ID, VOCAB, left_padded_prompts, tiny_classifier, tiny_policy
-from torchtune_ppo.ppo import rlhf
-from torchtune_ppo.compile import RecompileCounter, compile_count, maybe_compile, regions
-from torchtune_ppo.config import parse_compile
+from torchtune_ppo import rlhf
+from torchtune_ppo.compile import RecompileCounter, compile_count, maybe_compile
 from torchtune_ppo.rollout.generation import Generator
 from torchtune_ppo.rollout.scoring import (
     MIN_SIZE, packed_score_trajectory, plan_scoring,
 )
-from torchtune_ppo.ppo.packing import plan_micro_steps
+from torchtune_ppo.rlhf.packing import plan_micro_steps
 from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rollout.fused import score_trajectory
-from torchtune_ppo.rollout.trajectory import ScoringSettings
+from torchtune_ppo.rlhf import ScoringSettings
 
 P, T = 6, 7
 STOP = torch.tensor([EOS_ID])
@@ -180,7 +179,7 @@ def test_rollout_packed_equals_padded(scoring_models, kind):
     lens = torch.tensor([6, 1, 3, 4, 2, 5, 1, 6])  # two chunks of 4
     prompts = left_padded_prompts(lens.tolist(), P, seed=7)
     timer = lambda phase: contextlib.nullcontext()  # noqa: E731
-    rollout = Rollout(gen, ref, value, reward_fn, STOP, SETTINGS, regions(parse_compile(False)))
+    rollout = Rollout(gen, ref, value, reward_fn, STOP, SETTINGS)
     packed = rollout(prompts, lens, torch.Generator().manual_seed(0), timer)
     # the same responses (same seed), scored on padded rows by the reference twin
     rng, padded = torch.Generator().manual_seed(0), []
@@ -199,8 +198,7 @@ def test_a_custom_reward_callable_is_refused(scoring_models):
     gen = Generator(policy, batch_size=2, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD_ID,
                     stop_token_ids=[EOS_ID], temperature=0.7)
     with pytest.raises(TypeError, match="ModelReward or a FunctionReward"):
-        Rollout(gen, ref, value, lambda qr, masks, pos, last: torch.zeros(len(qr)), STOP, SETTINGS,
-                regions(parse_compile(False)))
+        Rollout(gen, ref, value, lambda qr, masks, pos, last: torch.zeros(len(qr)), STOP, SETTINGS)
 
 
 # ----------------------------------------------------------------------------- compiled

@@ -15,12 +15,13 @@ from torchtune.models.llama3_2._component_builders import llama3_2
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from conftest import EOS_ID, PAD_ID, VOCAB, left_padded_prompts, tiny_classifier, tiny_policy
-from torchtune_ppo.ppo import packing, rlhf
+from torchtune_ppo import rlhf
+from torchtune_ppo.rlhf import packing
 from torchtune_ppo.compile import RecompileCounter, compile_count, maybe_compile
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states
 from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.rollout.fused import score_trajectory
-from torchtune_ppo.rollout.trajectory import ScoringSettings, masks_and_positions
+from torchtune_ppo.rlhf import ScoringSettings, masks_and_positions
 from twins.loss_step import ppo_loss_step
 
 P, T = 6, 7

@@ -10,11 +10,12 @@ from omegaconf import OmegaConf
 
 from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_policy
 from ppo_full_finetune import PhaseTimer, PPOFullFinetuneRecipe
-from torchtune_ppo.ppo import rlhf
+from twins import rlhf as twin_rlhf
+from torchtune_ppo import rlhf
 from torchtune_ppo.config import validate_config
-from torchtune_ppo.ppo.advantages import estimate_advantages
+from torchtune_ppo.ppo.advantages import AdvantageSettings, estimate_advantages
 from torchtune_ppo.rollout.fused import score_trajectory
-from torchtune_ppo.rollout.trajectory import ScoringSettings, Trajectory, masks_and_positions
+from torchtune_ppo.rlhf import ScoringSettings, Trajectory, masks_and_positions
 from twins.loss_step import ppo_loss_step
 
 CONFIG = Path(__file__).parents[2] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
@@ -71,9 +72,9 @@ def _trajectory(recipe, cfg, scores):
             torch.cat([batch["tokens"], responses], 1),
             batch["prompt_lens"],
             None,
-            recipe._policy_model,
-            recipe._ref_policy_model,
-            recipe._value_model,
+            recipe._models.policy,
+            recipe._models.ref_policy,
+            recipe._models.value,
             lambda tokens, masks, position_ids, last_idx: scores,
             torch.tensor([EOS_ID]),
             ScoringSettings(prompt_len=p, pad_id=PAD_ID, temperature=float(cfg.temperature),
@@ -83,8 +84,7 @@ def _trajectory(recipe, cfg, scores):
 
 def _advantages(cfg, trajectory):
     """The advantages the recipe computes for ``trajectory`` with ``cfg``'s keys."""
-    return estimate_advantages(trajectory, kl_coeff=cfg.kl_coeff, gamma=cfg.gamma, lmbda=cfg.lmbda,
-                               whiten_rewards=cfg.whiten_rewards)
+    return estimate_advantages(trajectory, AdvantageSettings.from_config(cfg), cfg.kl_coeff)
 
 
 def _update(recipe, trajectory, advantages, returns):
@@ -118,7 +118,7 @@ def _full_batch_grads(policy, value, trajectory, advantages, returns, cfg):
 
 
 def _trained(recipe):
-    return [p for m in (recipe._policy_model, recipe._value_model) for p in m.parameters()]
+    return [p for m in (recipe._models.policy, recipe._models.value) for p in m.parameters()]
 
 
 def _params(recipe):
@@ -137,7 +137,7 @@ def test_accumulated_update_equals_sgd_step_on_the_minibatch_mean_gradient(make_
     trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
     advantages, returns = _advantages(cfg, trajectory)[:2]
     before = _params(recipe)
-    policy, value = copy.deepcopy(recipe._policy_model), copy.deepcopy(recipe._value_model)
+    policy, value = copy.deepcopy(recipe._models.policy), copy.deepcopy(recipe._models.value)
     grads, full_stats = _full_batch_grads(policy, value, trajectory, advantages, returns, cfg)
 
     stats = _update(recipe, trajectory, advantages, returns)
@@ -155,7 +155,7 @@ def test_consecutive_minibatches_do_not_accumulate_into_each_other(make_recipe):
     recipe, cfg = make_recipe(batch_size=4, ppo_epochs=2, **SGD)
     trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
     advantages, returns = _advantages(cfg, trajectory)[:2]
-    policy, value = copy.deepcopy(recipe._policy_model), copy.deepcopy(recipe._value_model)
+    policy, value = copy.deepcopy(recipe._models.policy), copy.deepcopy(recipe._models.value)
     params = [p for m in (policy, value) for p in m.parameters()]
     for _ in range(2):  # theta_{k+1} = theta_k - LR * grad(theta_k), fresh gradients each step
         grads, _ = _full_batch_grads(policy, value, trajectory, advantages, returns, cfg)
@@ -243,7 +243,7 @@ def test_loss_step_stats_ratios_and_approx_kl_are_masked_means():
     masks, pos = masks_and_positions(torch.tensor([4, 2]), p, t)
     qr = torch.cat([prompts, responses], 1)
     with torch.no_grad():
-        pi = rlhf.response_logprobs(policy(qr, mask=masks, input_pos=pos), responses, p, 1.0) * ~pad
+        pi = twin_rlhf.response_logprobs(policy(qr, mask=masks, input_pos=pos), responses, p, 1.0) * ~pad
     # old logprobs = current + d; the padded token gets d = 5, which must not count
     d = torch.tensor([[0.2, -0.4, 0.1, 5.0], [0.0, 0.3, -0.2, 0.1]])
     zeros = torch.zeros(2, t)
@@ -279,8 +279,8 @@ def test_train_step_metrics_of_a_first_step(make_recipe):
     assert 0.0 <= metrics["num_stop_tokens"] <= cfg.batch_size
     # the policy's entropy over the vocabulary, the loss's KL (k3, 0 at the reference) and the
     # critic's fit of the returns
-    assert 0.0 < metrics["entropy"] < math.log(recipe._policy_model.output.out_features if hasattr(
-        recipe._policy_model.output, "out_features") else 1e9)
+    assert 0.0 < metrics["entropy"] < math.log(recipe._models.policy.output.out_features if hasattr(
+        recipe._models.policy.output, "out_features") else 1e9)
     assert metrics["kl_loss"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["lmbda_actor"] == pytest.approx(cfg.lmbda)
     assert metrics["explained_variance"] <= 1.0
@@ -347,7 +347,7 @@ def test_critic_warmup_steps_the_value_model_only(make_recipe):
                               **{"optimizer.weight_decay": 0.1})
     trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
     advantages, returns = _advantages(cfg, trajectory)[:2]
-    policy, value = recipe._policy_model, recipe._value_model
+    policy, value = recipe._models.policy, recipe._models.value
     optimizer = recipe._update.optimizer
 
     def snapshot(model):
@@ -419,7 +419,7 @@ def test_value_pretraining_update_leaves_the_policy_and_the_lr_schedule(make_rec
         "lr_scheduler.num_warmup_steps": 4, "value_pretrain.max_steps": 2})
     trajectory = _trajectory(recipe, cfg, scores=torch.tensor([1.0, -2.0, 0.5, 3.0]))
     advantages, returns = _advantages(cfg, trajectory)[:2]
-    policy, value = recipe._policy_model, recipe._value_model
+    policy, value = recipe._models.policy, recipe._models.value
     optimizer, scheduler = recipe._update.optimizer, recipe._update.lr_scheduler
     assert [g["lr"] for g in optimizer.param_groups] == [0.0]  # warm-up's first step
 

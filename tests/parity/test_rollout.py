@@ -5,12 +5,11 @@ import pytest
 import torch
 
 from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_policy
-from torchtune_ppo.compile import maybe_compile, regions
-from torchtune_ppo.config import parse_compile
+from torchtune_ppo.compile import maybe_compile
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rollout.fused import fused_rollout, score_trajectory
 from torchtune_ppo.rollout.generation import Generator
-from torchtune_ppo.rollout.trajectory import ScoringSettings
+from torchtune_ppo.rlhf import ScoringSettings
 
 P, T, B = 6, 4, 3
 STOP = torch.tensor([EOS_ID])
@@ -99,7 +98,7 @@ def test_function_reward_drives_the_trajectory_as_a_reward_model_would():
     lens = torch.tensor([6, 2, 4])
     prompts = left_padded_prompts(lens.tolist(), P, seed=5)
     fn = _FixedScores(values)
-    rollout = Rollout(gen, ref, value, FunctionReward(fn, _Decoder()), STOP, settings, regions(parse_compile(False)))
+    rollout = Rollout(gen, ref, value, FunctionReward(fn, _Decoder()), STOP, settings)
     by_function = rollout(prompts, lens, None, timer, references=["a", None, "c"])
     out = gen.generate(prompts, lens)  # greedy: the same responses
     by_model = score_trajectory(out.query_responses, lens, out.logprobs, None, ref, value,

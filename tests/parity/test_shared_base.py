@@ -17,7 +17,7 @@ from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rollout.fused import score_trajectory
 from torchtune_ppo.rollout.generation import Generator
-from torchtune_ppo.rollout.trajectory import ScoringSettings
+from torchtune_ppo.rlhf import ScoringSettings
 
 P, T = 6, 5
 STOP = torch.tensor([EOS_ID])
@@ -55,7 +55,9 @@ def models():
 def _rollout(policy, ref, value, reward_model, compile_cfg=False):
     gen = Generator(policy, batch_size=2, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD_ID,
                     stop_token_ids=[EOS_ID], temperature=0.7)
-    return Rollout(gen, ref, value, ModelReward(reward_model), STOP, SETTINGS, regions(parse_compile(compile_cfg)))
+    r = regions(parse_compile(compile_cfg))
+    return Rollout(gen, ref, value, ModelReward(reward_model), STOP, SETTINGS, score=r.score,
+                   whole_scoring_models=r.whole_scoring_models)
 
 
 def _batch(seed):

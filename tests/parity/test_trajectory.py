@@ -7,7 +7,7 @@ from torchtune import generation, rlhf as tt_rlhf
 from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_policy
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rollout.fused import score_trajectory
-from torchtune_ppo.rollout.trajectory import ScoringSettings, masks_and_positions
+from torchtune_ppo.rlhf import ScoringSettings, masks_and_positions
 
 P, T = 6, 5
 STOP = torch.tensor([EOS_ID])

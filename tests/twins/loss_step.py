@@ -6,8 +6,9 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from torchtune_ppo.ppo import rlhf
-from torchtune_ppo.ppo.kl import kl_loss_estimate
+from twins import rlhf as twin_rlhf
+from torchtune_ppo import rlhf
+from torchtune_ppo.rlhf.kl import kl_loss_estimate
 
 
 def ppo_loss_step(
@@ -65,14 +66,14 @@ def ppo_loss_step(
     valid = ~response_padding_masks
     responses = query_responses[:, prompt_len:]
     pi_logits = policy_model(query_responses, mask=masks, input_pos=position_ids)
-    pi_logprobs = rlhf.response_logprobs(pi_logits, responses, prompt_len, temperature) * valid
+    pi_logprobs = twin_rlhf.response_logprobs(pi_logits, responses, prompt_len, temperature) * valid
     # [b, T] from the whole [b, T, V] distribution: the reference for the packed step's chunks
     entropy = rlhf.entropy_from_logprobs(torch.log_softmax(pi_logits[:, prompt_len - 1 : -1].float() / temperature, -1))
     kl = torch.zeros_like(pi_logprobs) if ref_logprobs is None else kl_loss_estimate(pi_logprobs, ref_logprobs, kl_estimator)
     phi_values = value_model(query_responses, mask=masks, input_pos=position_ids)
     phi_values = rlhf.response_values(phi_values, prompt_len) * valid
 
-    loss, policy_loss, value_loss, ratios, clipfrac = rlhf.ppo_loss(
+    loss, policy_loss, value_loss, ratios, clipfrac = twin_rlhf.ppo_loss(
         old_logprobs,
         pi_logprobs,
         advantages,

@@ -15,13 +15,9 @@ import torchtune_ppo  # noqa: F401  (registers the ppo_asset resolver)
 from torchtune_ppo import distributed
 from torchtune_ppo.config import validate_config
 from torchtune_ppo.ppo import advantages as adv_module
-from torchtune_ppo.ppo.advantages import (
-    discounted_returns,
-    estimate_advantages,
-    group_baseline,
-    group_metrics,
-    repeat_prompts,
-)
+from torchtune_ppo.config.checks import check_world_size
+from torchtune_ppo.ppo.advantages import AdvantageSettings, estimate_advantages, group_metrics
+from torchtune_ppo.rlhf import discounted_returns, group_baseline, repeat_prompts
 
 CONFIG = Path(__file__).parents[2] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
 F64 = torch.float64
@@ -83,6 +79,10 @@ def test_discounted_returns_by_hand():
 # ---- estimate_advantages on a scored batch ------------------------------------------------------
 
 
+def _estimate(trajectory, *, kl_coeff, **settings):
+    return estimate_advantages(trajectory, AdvantageSettings(**settings), kl_coeff)
+
+
 def _trajectory():
     """Two rows, one group: row 0 has 3 valid tokens and score 1, row 1 has 2 and score -1.
     k1 KL d = logp - ref: row 0 [0.2, 0, -0.2], row 1 [0.4, 0.2, (invalid)]."""
@@ -96,7 +96,7 @@ def _trajectory():
 
 
 def _advantages(estimator, n=2):
-    return estimate_advantages(_trajectory(), kl_coeff=0.5, gamma=1.0, lmbda=0.95, whiten_rewards=False,
+    return _estimate(_trajectory(), kl_coeff=0.5, gamma=1.0, lmbda=0.95, whiten_rewards=False,
                                advantage_estimator=estimator, num_samples_per_prompt=n)
 
 
@@ -133,14 +133,14 @@ def test_reinforce_plus_plus_baseline_by_hand():
 
 
 def test_gae_is_the_default():
-    from torchtune_ppo.ppo import rlhf
+    from torchtune_ppo import rlhf
 
     traj = _trajectory()
     traj.values = torch.tensor([[0.3, -0.2, 0.5], [0.1, 0.4, 0.0]], dtype=F64)
-    out = estimate_advantages(traj, kl_coeff=0.5, gamma=0.9, lmbda=0.8, whiten_rewards=False)
+    out = _estimate(traj, kl_coeff=0.5, gamma=0.9, lmbda=0.8, whiten_rewards=False)
     valid = ~traj.response_padding_masks
     rewards = rlhf.get_rewards_ppo(traj.scores, traj.logprobs, traj.ref_logprobs, 0.5, traj.seq_lens, valid)[0]
-    gae, returns = rlhf.estimate_advantages(traj.values, rewards, 0.9, 0.8, valid)
+    gae, returns = rlhf.gae_advantages(traj.values, rewards, 0.9, 0.8, valid)
     assert torch.equal(out.advantages, gae) and torch.equal(out.returns, returns)
 
 
@@ -159,7 +159,7 @@ def test_two_ranks_give_the_one_process_advantages(monkeypatch):
     )
     kw = dict(kl_coeff=0.1, gamma=0.9, lmbda=0.95, whiten_rewards=False, num_samples_per_prompt=n)
     estimators = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-    one = {e: estimate_advantages(traj, advantage_estimator=e, **kw).advantages for e in estimators}
+    one = {e: _estimate(traj, advantage_estimator=e, **kw).advantages for e in estimators}
     one_metrics = group_metrics(traj.scores, n)
 
     barrier, shared = threading.Barrier(2), [None, None]
@@ -182,7 +182,7 @@ def test_two_ranks_give_the_one_process_advantages(monkeypatch):
         rows = slice(r * b // 2, (r + 1) * b // 2)
         part = SimpleNamespace(**{k: v[rows] for k, v in vars(traj).items()})
         for e in estimators:
-            results[r][e] = estimate_advantages(part, advantage_estimator=e, **kw).advantages
+            results[r][e] = _estimate(part, advantage_estimator=e, **kw).advantages
         results[r]["metrics"] = group_metrics(part.scores, n)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
@@ -193,7 +193,7 @@ def test_two_ranks_give_the_one_process_advantages(monkeypatch):
     for e in estimators:
         torch.testing.assert_close(torch.cat([results[0][e], results[1][e]]), one[e], rtol=1e-12, atol=1e-12)
     assert results[0]["metrics"] == results[1]["metrics"] == pytest.approx(one_metrics, rel=1e-12)
-    assert not torch.equal(one["reinforce_plus_plus"], adv_module.discounted_returns(
+    assert not torch.equal(one["reinforce_plus_plus"], discounted_returns(
         torch.zeros(b, T), valid, 0.9))  # not vacuous
 
 
@@ -360,12 +360,12 @@ def test_critic_free_advantages_log_no_explained_variance_or_actor_lambda(estima
     assert all(math.isnan(v) for v in metrics.values())
     with pytest.raises(ValueError, match=rf"lmbda_actor and lmbda_length_alpha are GAE's; advantage_estimator "
                                          rf"'{estimator}' takes neither, got 0.9 and None"):
-        estimate_advantages(_trajectory(), kl_coeff=0.5, gamma=1.0, lmbda=0.95, whiten_rewards=False,
+        _estimate(_trajectory(), kl_coeff=0.5, gamma=1.0, lmbda=0.95, whiten_rewards=False,
                             advantage_estimator=estimator, num_samples_per_prompt=2, lmbda_actor=0.9)
 
 
 def test_gae_still_logs_explained_variance_and_actor_lambda():
-    out = estimate_advantages(_trajectory(), kl_coeff=0.5, gamma=1.0, lmbda=0.95, whiten_rewards=False,
+    out = _estimate(_trajectory(), kl_coeff=0.5, gamma=1.0, lmbda=0.95, whiten_rewards=False,
                               lmbda_actor=0.5)
     metrics = adv_module.advantage_metrics(out)
     assert metrics["lmbda_actor"] == 0.5 and math.isfinite(metrics["explained_variance"])
@@ -428,8 +428,8 @@ def test_share_group_prefill_needs_whole_groups_per_generation_call():
     assert validate_config(_cfg()).share_group_prefill is False  # default: n prefills, as before
     ok = validate_config(_cfg(advantage_estimator="grpo", num_samples_per_prompt=4, share_group_prefill=True))
     assert ok.forward_batch_size % 4 == 0
-    with pytest.raises(ValueError, match=r"share_group_prefill=True needs forward_batch_size \(4\) to be a multiple "
-                                         r"of num_samples_per_prompt \(8\).*forward_batch_size=8"):
+    with pytest.raises(ValueError, match=r"forward_batch_size=4 is not a multiple of num_samples_per_prompt=8 \(the group size\): "
+                                         r"one prefill per group.*forward_batch_size=8"):
         validate_config(_cfg(advantage_estimator="grpo", num_samples_per_prompt=8, forward_batch_size=4,
                              ppo_batch_size=16, share_group_prefill=True))
     # off, or n = 1: any forward_batch_size that divides the step's rows
@@ -441,9 +441,9 @@ def test_share_group_prefill_needs_whole_groups_per_generation_call():
     with pytest.raises(ValueError, match="share_group_prefill must be true or false, got 'maybe'"):
         validate_config(_cfg(share_group_prefill="maybe"))
     cfg = validate_config(_cfg(advantage_estimator="grpo", num_samples_per_prompt=4, share_group_prefill=True))
-    with pytest.raises(ValueError, match="forward_batch_size=16 over 8 processes gives 2 rows per rank, not a "
+    with pytest.raises(ValueError, match="forward_batch_size=16 over 8 processes gives 2 rows per rank is not a "
                                          "multiple of num_samples_per_prompt=4"):
-        distributed.check_world_size(OmegaConf.merge(cfg, {"batch_size": 32, "ppo_batch_size": 16}), 8)
+        check_world_size(OmegaConf.merge(cfg, {"batch_size": 32, "ppo_batch_size": 16}), 8)
 
 
 def test_grpo_gives_a_group_within_rounding_of_equal_no_advantage():

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 import torchtune_ppo  # noqa: F401  (registers the ppo_asset resolver)
 from torchtune_ppo.config import validate_config
-from torchtune_ppo.ppo import rlhf
+from torchtune_ppo import rlhf
 from torchtune_ppo.ppo.update import LossSettings
 
 CONFIG = Path(__file__).parents[2] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
@@ -87,7 +87,7 @@ def test_bad_loss_options_name_the_key(key, value, message):
 
 from types import SimpleNamespace  # noqa: E402
 
-from torchtune_ppo.ppo import packing  # noqa: E402
+from torchtune_ppo.rlhf import packing  # noqa: E402
 
 AP, AT = 2, 3  # prompt and response length of the aggregation batch
 
@@ -168,7 +168,8 @@ def test_unknown_aggregation_names_the_key():
 
 # ---- KL estimators and the adaptive KL controller ------------------------------------------
 
-from torchtune_ppo.ppo.kl import KLController, kl_estimate  # noqa: E402
+from torchtune_ppo.ppo.kl import KLController
+from torchtune_ppo.rlhf.kl import kl_estimate  # noqa: E402
 
 LOGP = torch.tensor([[-1.0, -2.0, -0.3]], dtype=torch.float64)
 REF = torch.tensor([[-1.5, -1.0, -0.3]], dtype=torch.float64)  # d = logp - ref = 0.5, -1, 0
@@ -225,7 +226,7 @@ def test_bad_kl_options_name_the_key(key, value, message):
 
 # ---- entropy bonus and the KL loss term ----------------------------------------------------
 
-from torchtune_ppo.ppo.kl import kl_loss_estimate  # noqa: E402
+from torchtune_ppo.rlhf.kl import kl_loss_estimate  # noqa: E402
 
 
 def test_entropy_by_hand():
@@ -325,15 +326,15 @@ def test_per_row_lambda_is_each_rows_own_gae():
 
 
 def test_decoupled_gae_returns_follow_lmbda_and_advantages_lmbda_actor():
-    advantages, returns = rlhf.estimate_advantages(VALUES, REWARDS, 1.0, 1.0, VALID, lmbda_actor=0.0)
+    advantages, returns = rlhf.gae_advantages(VALUES, REWARDS, 1.0, 1.0, VALID, lmbda_actor=0.0)
     # returns: lambda 1 advantages + values = rewards to go 3, 3, 2
     torch.testing.assert_close(returns[0], torch.tensor([3.0, 3.0, 2.0, 0.0], dtype=torch.float64))
     # advantages: the lambda 0 ones (1, -0.5, 1.5), whitened: mean 2/3, unbiased std sqrt(13/12)
     want = (torch.tensor([1.0, -0.5, 1.5], dtype=torch.float64) - 2 / 3) / math.sqrt(13 / 12)
     torch.testing.assert_close(advantages[0, :3], want, atol=1e-7, rtol=1e-7)
-    coupled, coupled_returns = rlhf.estimate_advantages(VALUES, REWARDS, 1.0, 1.0, VALID)
+    coupled, coupled_returns = rlhf.gae_advantages(VALUES, REWARDS, 1.0, 1.0, VALID)
     assert torch.equal(coupled_returns, returns) and not torch.allclose(coupled, advantages)
-    assert torch.equal(rlhf.estimate_advantages(VALUES, REWARDS, 1.0, 1.0, VALID, lmbda_actor=1.0)[0], coupled)
+    assert torch.equal(rlhf.gae_advantages(VALUES, REWARDS, 1.0, 1.0, VALID, lmbda_actor=1.0)[0], coupled)
 
 
 def test_length_adaptive_lambda_by_hand():

@@ -67,7 +67,7 @@ def _global_compile_config():
 @pytest.mark.slow  # compiles
 def test_compiling_our_regions_leaves_global_dynamo_config_alone():
     """A user's own torch.compile calls after ours must see the defaults they expect."""
-    from torchtune_ppo.compile import skip_guard_checks
+    from torchtune_ppo._patches.dynamo import skip_guard_checks
 
     before = _global_compile_config()
 

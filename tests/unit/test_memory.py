@@ -56,7 +56,7 @@ def test_planning_a_gpu_config_on_this_machine(capsys):
 
 
 def test_entropy_bonus_doubles_the_logits_kept_for_backward():
-    from torchtune_ppo.ppo.packing import default_rows
+    from torchtune_ppo.rlhf.packing import default_rows
 
     cfg = _cfg()
     base, bonus = (list(memory.memory_plan(c).rows.values())[5] for c in (cfg, _cfg("loss.entropy_coeff=0.01")))

@@ -2,6 +2,7 @@
 still finds what it touches: an upgrade that removes one fails here, not mid-run."""
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def test_torchtune_decoder_internals_exist():
     """final_hidden_states mirrors TransformerDecoder.forward up to the norm; the decode patch
     swaps each attention's _attention_call; output chunking is num_output_chunks."""
     from conftest import left_padded_prompts, tiny_policy
-    from torchtune_ppo.rollout.trajectory import masks_and_positions
+    from torchtune_ppo.rlhf import masks_and_positions
 
     model = tiny_policy(0).eval()
     attn = model.layers[0].attn
@@ -64,3 +65,21 @@ def test_torchtune_decoder_internals_exist():
         theirs = model(tokens, mask=mask, input_pos=pos)
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
     assert isinstance(torchtune_modules.is_npu_available, bool)
+
+
+def test_hf_checkpointer_settings_are_readable(tmp_path):
+    """The settings FullModelHFCheckpointer keeps in private attributes, read for its subclass."""
+    from torchtune.training import FullModelHFCheckpointer, ModelType
+
+    from torchtune_ppo import asset_path
+
+    folder = asset_path("tiny_sentiment/policy")
+    ckpt = FullModelHFCheckpointer(checkpoint_dir=folder, checkpoint_files=["model.safetensors"],
+                                   model_type="LLAMA2", output_dir=str(tmp_path))
+    s = checkpointer.hf_checkpointer_settings(ckpt)
+    assert s.checkpoint_paths == [Path(folder) / "model.safetensors"] and s.output_dir == tmp_path
+    assert s.model_type == ModelType.LLAMA2 and s.config["num_attention_heads"] > 0
+    assert s.safe_serialization is True and s.should_load_recipe_state is False
+    assert checkpointer.weight_map(ckpt) == {}
+    ckpt.load_checkpoint()
+    assert set(checkpointer.weight_map(ckpt).values()) == {"0001"}

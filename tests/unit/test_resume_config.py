@@ -177,7 +177,7 @@ def test_resume_with_a_key_that_must_match_stops_before_loading_weights(one_step
 @pytest.mark.slow
 def test_resume_trains_at_the_new_lr(one_step):
     recipe = _build(one_step, "num_ppo_steps=2", "resume_from_checkpoint=True", "optimizer.lr=1e-5")
-    assert recipe.steps_run == 1
+    assert recipe._progress.steps_run == 1
     assert [g["lr"] for g in recipe._update.optimizer.param_groups] == [1e-5]
     # and the restored optimizer state is still the saved one
     assert all(int(s["step"]) > 0 for s in recipe._update.optimizer.state.values())

@@ -7,7 +7,8 @@ import torch
 from torchtune import rlhf as tt_rlhf
 from torchtune.rlhf.loss import PPOLoss
 
-from torchtune_ppo.ppo import rlhf
+from twins import rlhf as twin_rlhf
+from torchtune_ppo import rlhf
 
 T = torch.tensor
 
@@ -92,7 +93,7 @@ def test_gae_by_hand():
     # t=1: delta = 3 + 0.5*0 - 2 = 1; A1 = 1
     # t=0: delta = 0 + 0.5*2 - 1 = 0; A0 = 0 + 0.25*1 = 0.25
     raw_adv = T([[0.25, 1.0]])
-    advantages, returns = rlhf.estimate_advantages(values, rewards, gamma, lmbda, masks)
+    advantages, returns = rlhf.gae_advantages(values, rewards, gamma, lmbda, masks)
     torch.testing.assert_close(returns, T([[1.25, 3.0, 0.0]]))
     # whitened over the two valid values: mean 0.625, unbiased std 0.53033
     std = math.sqrt(((0.25 - 0.625) ** 2 + (1.0 - 0.625) ** 2) / 1)
@@ -115,7 +116,7 @@ def test_gae_matches_torchtune_when_nothing_is_masked():
     torch.manual_seed(1)
     values, rewards = torch.randn(3, 6), torch.randn(3, 6)
     masks = torch.ones(3, 6, dtype=torch.bool)
-    _, returns = rlhf.estimate_advantages(values, rewards, 0.9, 0.8, masks)
+    _, returns = rlhf.gae_advantages(values, rewards, 0.9, 0.8, masks)
     _, tt_returns = tt_rlhf.estimate_advantages(values, rewards, 0.9, 0.8, masks)
     torch.testing.assert_close(returns, tt_returns)
 
@@ -139,7 +140,7 @@ def _loss_inputs(pi_logprobs, advantages):
 
 def test_policy_clipping_positive_advantage_caps_ratio_above():
     # ratio e^0.5 = 1.6487 > 1.2 with A = 1: loss uses the clipped ratio 1.2
-    loss, policy_loss, _, ratios, clipfrac = rlhf.ppo_loss(**_loss_inputs([0.5], [1.0]))
+    loss, policy_loss, _, ratios, clipfrac = twin_rlhf.ppo_loss(**_loss_inputs([0.5], [1.0]))
     assert policy_loss.item() == pytest.approx(-1.2, abs=1e-6)
     assert clipfrac.item() == 1.0
     assert ratios.item() == pytest.approx(math.exp(0.5), abs=1e-6)
@@ -147,14 +148,14 @@ def test_policy_clipping_positive_advantage_caps_ratio_above():
 
 def test_policy_clipping_negative_advantage_caps_ratio_below():
     # ratio e^-0.5 = 0.6065 < 0.8 with A = -1: max(0.6065, 0.8) = 0.8 (clipped)
-    _, policy_loss, _, _, clipfrac = rlhf.ppo_loss(**_loss_inputs([-0.5], [-1.0]))
+    _, policy_loss, _, _, clipfrac = twin_rlhf.ppo_loss(**_loss_inputs([-0.5], [-1.0]))
     assert policy_loss.item() == pytest.approx(0.8, abs=1e-6)
     assert clipfrac.item() == 1.0
 
 
 def test_policy_clipping_is_pessimistic_only():
     # A = 1 with ratio 0.6065 (below the range): the unclipped, lower objective is kept
-    _, policy_loss, _, _, clipfrac = rlhf.ppo_loss(**_loss_inputs([-0.5], [1.0]))
+    _, policy_loss, _, _, clipfrac = twin_rlhf.ppo_loss(**_loss_inputs([-0.5], [1.0]))
     assert policy_loss.item() == pytest.approx(-math.exp(-0.5), abs=1e-6)
     assert clipfrac.item() == 0.0
 
@@ -163,7 +164,7 @@ def test_logged_ratios_average_valid_tokens_only():
     # valid log-ratios 0.1 and -0.2; the masked token's ratio e^3 must not count
     inputs = _loss_inputs([0.1, -0.2, 3.0], [1.0, 1.0, 1.0])
     inputs["masks"] = T([[True, True, False]])
-    _, _, _, ratios, clipfrac = rlhf.ppo_loss(**inputs)
+    _, _, _, ratios, clipfrac = twin_rlhf.ppo_loss(**inputs)
     assert ratios.item() == pytest.approx((math.exp(0.1) + math.exp(-0.2)) / 2, abs=1e-6)
     assert clipfrac.item() == 0.0  # only the masked ratio is outside [0.8, 1.2]
 
@@ -172,7 +173,7 @@ def test_value_clipping_by_hand():
     inputs = _loss_inputs([0.0], [0.0])
     # new value 1.0, old value 0.0, return 1.0: clipped value 0.2 -> (0.2 - 1)^2 = 0.64
     inputs.update(phi_values=T([[1.0]]), returns=T([[1.0]]))
-    _, _, value_loss, _, _ = rlhf.ppo_loss(**inputs)
+    _, _, value_loss, _, _ = twin_rlhf.ppo_loss(**inputs)
     assert value_loss.item() == pytest.approx(0.5 * 0.64, abs=1e-6)
 
 
@@ -181,7 +182,7 @@ def test_ppo_loss_matches_torchtune_ppoloss():
     shape = (4, 5)
     args = [torch.randn(shape) * 0.3 for _ in range(6)]
     masks = torch.rand(shape) > 0.2
-    ours = rlhf.ppo_loss(*args, masks, epsilon=0.2, value_clip_range=0.2, value_coeff=0.1)
+    ours = twin_rlhf.ppo_loss(*args, masks, epsilon=0.2, value_clip_range=0.2, value_coeff=0.1)
     ref = PPOLoss(epsilon=0.2, value_clip_range=0.2, value_coeff=0.1)(
         *args, padding_masks=masks, value_padding_masks=masks
     )

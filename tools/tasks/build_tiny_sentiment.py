@@ -30,7 +30,7 @@ from torchtune.models.llama2 import Llama2Tokenizer
 from torchtune.modules import TransformerDecoder
 
 from torchtune_ppo import asset_path
-from torchtune_ppo.ppo.rlhf import truncate_after_stop_token
+from torchtune_ppo.rlhf import truncate_after_stop_token
 from torchtune_ppo.rewards import ModelReward
 from torchtune_ppo.tasks.tiny_sentiment import (
     BOS_ID,

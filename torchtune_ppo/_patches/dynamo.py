@@ -1,13 +1,24 @@
-"""Dynamo internals (written for torch 2.13): the current compile stance and the graph counter.
+"""Dynamo internals (written for torch 2.13): the compile stance, the graph counter, dynamic
+dimensions, and skipping guard evaluation.
 
 torch has no public getter for the stance set by ``torch.compiler.set_stance``
 (``torch._dynamo.eval_frame._stance``), nor a public count of compiled graphs
-(``torch._dynamo.utils.counters``); ``tests`` check that both still exist.
+(``torch._dynamo.utils.counters``); ``torch._dynamo.mark_dynamic`` lives in a private module;
+``tests`` check that each still exists.
 """
+
+import contextlib
+import inspect
+from typing import ContextManager, Sequence, TypeVar
 
 import torch
 
 TESTED_WITH = "torch 2.13"
+
+T = TypeVar("T")
+
+# torch >= 2.7 can run only the guards that tell cache entries apart.
+_HAS_SKIP_GUARD_EVAL = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
 
 
 def current_stance() -> str:
@@ -24,3 +35,31 @@ def unique_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def mark_dynamic(packed: T, *, rows: Sequence[torch.Tensor], reads: Sequence[torch.Tensor]) -> T:
+    """Marks the sizes of a packed region's inputs dynamic: dim 0 (the rows ``R``) of each of
+    ``rows`` and dim 1 (the chunk length ``K``) of each ``[C, K]`` tensor of ``reads``.
+
+    A region compiled with ``dynamic=False`` then traces one graph symbolic in exactly these
+    sizes, and every later length mix reuses it. Both must be at least 2 (dynamo specialises
+    sizes 0 and 1). Eager code ignores the marks. Returns ``packed``.
+    """
+    for t in rows:
+        torch._dynamo.mark_dynamic(t, 0)
+    for t in reads:
+        torch._dynamo.mark_dynamic(t, 1)
+    return packed
+
+
+def skip_guard_checks(enabled: bool) -> ContextManager:
+    """Skips guard evaluation of already-compiled regions inside the ``with`` block.
+
+    Safe only where nothing the guards cover changes: the decode loop after its first step
+    (evaluating them costs ~0.2 ms a step on CPU). A no-op when ``enabled`` is False, on torch
+    without the feature, and when the user set a stance of their own (e.g. ``force_eager``),
+    which entering a new stance would override.
+    """
+    if not (enabled and _HAS_SKIP_GUARD_EVAL and current_stance() == "default"):
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance(skip_guard_eval_unsafe=True)

@@ -25,7 +25,7 @@ from torchtune.modules import TransformerDecoder
 
 # Builders and helpers torchtune does not export: kept here so an upgrade breaks one place.
 from torchtune.data._utils import truncate  # noqa: F401
-from torchtune.models.llama3._component_builders import llama3_mlp  # noqa: F401
+from torchtune.models.llama3._component_builders import llama3_mlp, lora_llama3_mlp  # noqa: F401
 from torchtune.utils._device import is_npu_available  # noqa: F401  (needs the torch_npu plugin)
 
 TESTED_WITH = "torchtune 0.6.1"

@@ -3,6 +3,7 @@ state in them, saved and restored by :class:`CheckpointClient` (:mod:`.training_
 
 from torchtune_ppo.checkpointing.store import (  # noqa: F401
     CHECKPOINTS_DIRNAME,
+    CONFIG_FNAME,
     MARKER_FNAME,
     MODEL_NAMES,
     TRAINING_STATE_FNAME,
@@ -22,7 +23,6 @@ from torchtune_ppo.checkpointing.store import (  # noqa: F401
     load_training_state,
 )
 from torchtune_ppo.checkpointing.resume_config import (  # noqa: F401
-    CONFIG_FNAME,
     ResumeConfigError,
     apply_optimizer_overrides,
     check_resume_config,

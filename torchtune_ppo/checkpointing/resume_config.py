@@ -32,9 +32,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
-log = utils.get_logger("INFO")
+from torchtune_ppo.checkpointing.store import CONFIG_FNAME, TRAINING_STATE_FNAME
+from torchtune_ppo.config.schema import defaults
 
-CONFIG_FNAME = "config.yaml"
+log = utils.get_logger("INFO")
 
 # Keys (or key prefixes) whose saved value gives the training state its meaning.
 MUST_MATCH = (
@@ -125,8 +126,6 @@ def check_resume_config(checkpoint: Union[str, Path], cfg: Union[DictConfig, Map
                     "the config cannot be checked against it. Keep batch_size, seed, shuffle, "
                     "dataset and the models as they were, or the resumed run is not the same run.")
         return []
-    from torchtune_ppo.config.schema import defaults
-
     new = config_to_save(cfg)
     # A key the saved config lacks did not exist yet when it was saved: the run had its default.
     saved = {**{k: v for k, v in defaults().items() if k not in saved and k in new}, **saved}
@@ -153,8 +152,6 @@ def saved_value_pretrain(checkpoint: Union[str, Path]) -> Dict[str, Any]:
     """The checkpoint's value pretraining state (``steps_run``, ``losses``, ``done``), read
     without loading the rest of the training state into memory; a checkpoint from before value
     pretraining existed: done when PPO had begun."""
-    from torchtune_ppo.checkpointing.store import TRAINING_STATE_FNAME
-
     state = torch.load(Path(checkpoint) / TRAINING_STATE_FNAME, map_location="cpu", mmap=True, weights_only=True)
     saved = state.get("value_pretrain")
     if saved is None:

@@ -40,7 +40,6 @@ Typical use in a recipe (rank 0 saves; state dicts are full, unsharded)::
 import datetime
 import errno
 import hashlib
-import importlib
 import json
 import os
 import pickle
@@ -56,12 +55,13 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
 from torchtune_ppo._patches.checkpointer import set_weight_map
-from torchtune_ppo.checkpointing.resume_config import CONFIG_FNAME
+from torchtune_ppo.config.checks import import_component
 
 log = utils.get_logger("INFO")
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 MARKER_FNAME = "COMPLETE"
+CONFIG_FNAME = "config.yaml"  # the run's resolved config (checked on resume: resume_config.py)
 TRAINING_STATE_FNAME = "training_state.pt"
 MODEL_NAMES = ("policy", "value")
 
@@ -320,21 +320,16 @@ def _resolved_block(block: Union[DictConfig, Mapping], name: str) -> DictConfig:
         block = OmegaConf.to_container(block, resolve=True)
     block = OmegaConf.create(dict(block))
     component = block.get("_component_", "")
-    cls = _import_component(component)
+    try:
+        cls = import_component(component, f"{name} checkpointer's _component_")
+    except ValueError:
+        cls = None
     if not (isinstance(cls, type) and issubclass(cls, training.FullModelHFCheckpointer)):
         raise TypeError(
             f"{name} checkpointer: checkpoints are written in HF format by "
             f"torchtune.training.FullModelHFCheckpointer (or a subclass), got _component_={component!r}"
         )
     return block
-
-
-def _import_component(path: str) -> Any:
-    module, _, attr = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError):
-        return None
 
 
 def _weight_map(cfg: DictConfig) -> Dict[str, str]:

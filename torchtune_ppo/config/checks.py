@@ -15,6 +15,7 @@ Every error names the key (dotted, e.g. ``loss.epsilon``), quotes the value and 
 would be valid.
 """
 
+import dataclasses
 import importlib
 import inspect
 import math
@@ -221,6 +222,9 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
 
     for key in SCHEMA:
         key.kind.check(key.name, cfg[key.name])
+    # Read once here: a bare compile: true|false becomes the mapping of every region, so the
+    # rest of the run reads cfg.compile.<region>.
+    cfg.compile = dataclasses.asdict(parse_compile(cfg.compile))
     _check_optimizer_in_bwd(cfg)
     _check_batch_sizes(cfg)
     _check_min_response_length(cfg)
@@ -327,19 +331,58 @@ def _check_batch_sizes(cfg: DictConfig) -> None:
             f"ppo_batch_size ({cfg.ppo_batch_size}) must be divisible by "
             f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps})."
         )
-    if cfg.share_group_prefill and n > 1:
-        if cfg.forward_batch_size % n:
-            raise ValueError(
-                f"share_group_prefill=True needs forward_batch_size ({cfg.forward_batch_size}) to be a "
-                f"multiple of num_samples_per_prompt ({n}), so that each generation call holds whole "
-                f"groups; e.g. forward_batch_size={n * _divisor(cfg.batch_size, max(1, cfg.forward_batch_size // n))}, or "
-                "share_group_prefill=False."
-            )
-        if parse_compile(cfg.compile).rollout:
-            raise ValueError(
-                "share_group_prefill=True with compile.rollout=True: the fused rollout region "
-                "prefills every row; set share_group_prefill=False or compile.rollout=False."
-            )
+    check_world_size(cfg, 1)
+    if cfg.share_group_prefill and n > 1 and cfg.compile.rollout:
+        raise ValueError(
+            "share_group_prefill=True with compile.rollout=True: the fused rollout region "
+            "prefills every row; set share_group_prefill=False or compile.rollout=False."
+        )
+
+
+def check_whole_groups(rows: int, group_size: int, what: str, fix: str = "") -> None:
+    """The rule of one prefill per group: every generation call holds whole groups of
+    ``group_size`` rows (the responses to one prompt).
+
+    Args:
+        rows (int): rows of a generation call.
+        group_size (int): ``num_samples_per_prompt``; 1: no groups, any count is whole.
+        what (str): the rows as the message names them, e.g. ``"forward_batch_size=4"``.
+        fix (str): what to change, said after the rule.
+
+    Raises:
+        ValueError: ``rows`` is not a multiple of ``group_size``.
+    """
+    if group_size > 1 and rows % group_size:
+        raise ValueError(f"{what} is not a multiple of num_samples_per_prompt={group_size} (the group size): one "
+                         f"prefill per group (share_group_prefill) needs whole groups in every generation call{fix}.")
+
+
+def check_world_size(cfg: DictConfig, world_size: int) -> None:
+    """The global batch keys must split evenly over ``world_size`` processes, and each rank's
+    generation calls hold whole groups when ``share_group_prefill`` is on.
+
+    Raises:
+        ValueError: naming the key, its value and the number of processes.
+    """
+    n = cfg.num_samples_per_prompt
+    if world_size > 1:
+        for key in ("batch_size", "forward_batch_size", "ppo_batch_size"):
+            if cfg[key] % world_size:
+                raise ValueError(f"{key}={cfg[key]} is the global number of prompts per step, "
+                                 f"split over {world_size} processes: it must be a multiple of {world_size}.")
+        if (cfg.ppo_batch_size // world_size) % cfg.gradient_accumulation_steps:
+            raise ValueError(f"ppo_batch_size={cfg.ppo_batch_size} over {world_size} processes gives "
+                             f"{cfg.ppo_batch_size // world_size} rows per rank, not a multiple of "
+                             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}.")
+        if cfg.optimizer_in_bwd:
+            raise ValueError("optimizer_in_bwd=True runs on one process only; set it to False "
+                             f"to run on {world_size} processes.")
+    if cfg.share_group_prefill:
+        rows = cfg.forward_batch_size // world_size
+        what = (f"forward_batch_size={cfg.forward_batch_size}" if world_size == 1 else
+                f"forward_batch_size={cfg.forward_batch_size} over {world_size} processes gives {rows} rows per rank")
+        fix = f"; e.g. forward_batch_size={n * _divisor(cfg.batch_size, max(1, rows // n)) * world_size}, or share_group_prefill=False"
+        check_whole_groups(rows, n, what, fix)
 
 
 def _check_min_response_length(cfg: DictConfig) -> None:
@@ -393,7 +436,7 @@ def _check_reward(cfg: DictConfig) -> None:
         )
     if cfg.reward is not None:
         import_component(cfg.reward._component_, "reward._component_")
-        if parse_compile(cfg.compile).rollout:
+        if cfg.compile.rollout:
             raise ValueError(
                 "compile.rollout traces the reward model into one region with generation; a "
                 "function reward runs eagerly: set compile.rollout=False (compile.generate and "
@@ -403,7 +446,7 @@ def _check_reward(cfg: DictConfig) -> None:
 
 def _check_advantage_estimator(cfg: DictConfig) -> None:
     """The value model is built for ``gae`` only; group baselines need groups."""
-    from torchtune_ppo.ppo.advantages import GROUP_ESTIMATORS, uses_value_model
+    from torchtune_ppo.rlhf import GROUP_ESTIMATORS, uses_value_model
 
     estimator, n = cfg.advantage_estimator, cfg.num_samples_per_prompt
     if estimator in GROUP_ESTIMATORS and n < 2:
@@ -523,7 +566,7 @@ def _check_lora(cfg: DictConfig, models: Dict[str, torch.nn.Module]) -> None:
             f"start {str(cfg.checkpointer.checkpoint_dir)!r}: with a LoRA policy the reference is "
             "the policy's own base (adapters off), so no other reference weights are read. Leave "
             "ref_policy_checkpointer out, or use a plain policy_model builder.")
-    if parse_compile(cfg.compile).rollout:
+    if cfg.compile.rollout:
         raise ValueError(
             "compile.rollout=True with a LoRA policy_model: the one region would need the adapters "
             "on (generation) and off (reference) in one graph. Set compile.rollout=False; "
@@ -699,6 +742,11 @@ def _signature_defaults(path: Any, key: str) -> Optional[Dict[str, Any]]:
 
 
 def import_component(path: Any, key: str) -> Any:
+    """The object a dotted path (a ``_component_``) names.
+
+    Raises:
+        ValueError: naming ``key`` when ``path`` is not a dotted path or does not import.
+    """
     if not isinstance(path, str) or "." not in path:
         raise ValueError(f"{key} must be a dotted import path, got {_show(path)}.")
     module, _, name = path.rpartition(".")

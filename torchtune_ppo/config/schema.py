@@ -13,9 +13,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from torchtune_ppo.ppo.advantages import ADVANTAGE_ESTIMATORS
-from torchtune_ppo.ppo.kl import KL_ESTIMATORS, KL_LOSS_ESTIMATORS
-from torchtune_ppo.ppo.rlhf import AGGREGATIONS
+from torchtune_ppo.rlhf import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, KL_LOSS_ESTIMATORS
 
 COMPILE_REGIONS = ("generate", "trajectory", "loss_step", "rollout")
 COMPILE_KEYS = (*COMPILE_REGIONS, "mode")

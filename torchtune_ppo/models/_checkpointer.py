@@ -31,7 +31,10 @@ from torchtune_ppo._patches.checkpointer import (
     SUFFIXES_TO_NOT_COPY,
     TORCH_INDEX_FNAME,
     copy_files,
+    hf_checkpointer_settings,
     safe_torch_load,
+    set_weight_map,
+    weight_map,
 )
 from torchtune.utils import get_logger
 
@@ -167,7 +170,8 @@ class ClassifierHFCheckpointer(FullModelHFCheckpointer):
             safe_serialization=safe_serialization,
             should_load_recipe_state=should_load_recipe_state,
         )
-        self._value_head_init = value_head_init
+        self.value_head_init = value_head_init
+        self.settings = hf_checkpointer_settings(self)
 
     def load_checkpoint(self) -> Dict[str, Any]:
         """Read every checkpoint file and convert it to torchtune's format.
@@ -180,18 +184,19 @@ class ClassifierHFCheckpointer(FullModelHFCheckpointer):
             ValueError: the checkpoint has no ``score.weight`` and ``value_head_init`` is null,
                 or it has a non-zero ``score.bias`` (the classifier's head has no bias).
         """
-        self._weight_map = {}
+        shard_of: Dict[str, str] = {}
         merged: Dict[str, torch.Tensor] = {}
         # Sorted by torchtune's checkpointer, so shard ids follow the file names.
-        for idx, path in enumerate(self._checkpoint_paths):
+        for idx, path in enumerate(self.settings.checkpoint_paths):
             shard = safe_torch_load(path)
-            self._weight_map.update({key: f"{idx + 1:04}" for key in shard})
+            shard_of.update({key: f"{idx + 1:04}" for key in shard})
             merged.update(shard)
+        set_weight_map(self, shard_of)
         head = merged.pop(_SCORE, None)
         bias = merged.pop(_SCORE_BIAS, None)
         if bias is not None and bool(bias.count_nonzero()):
             raise ValueError(
-                f"{self._checkpoint_dir}: the checkpoint's score.bias is non-zero, but the "
+                f"{self.settings.checkpoint_dir}: the checkpoint's score.bias is non-zero, but the "
                 "classifier's head has no bias (as in transformers' *ForSequenceClassification); "
                 "dropping it would change every score."
             )
@@ -199,19 +204,19 @@ class ClassifierHFCheckpointer(FullModelHFCheckpointer):
         state_dict = self._hf_to_tune(merged)
         if head is not None:
             state_dict[_OUTPUT] = head
-        elif self._value_head_init is None:
+        elif self.value_head_init is None:
             raise ValueError(
-                f"{self._checkpoint_dir} holds no {_SCORE!r}: it is not a *ForSequenceClassification "
+                f"{self.settings.checkpoint_dir} holds no {_SCORE!r}: it is not a *ForSequenceClassification "
                 "checkpoint. To start a value model from a policy checkpoint, set "
                 f"value_head_init to one of {list(VALUE_HEAD_INITS)}."
             )
         else:
-            log.info(f"{self._checkpoint_dir} has no {_SCORE}: a value head is initialised "
-                     f"({self._value_head_init}) and the LM head is left out.")
-            state_dict = value_head_from_policy(state_dict, init=self._value_head_init)
+            log.info(f"{self.settings.checkpoint_dir} has no {_SCORE}: a value head is initialised "
+                     f"({self.value_head_init}) and the LM head is left out.")
+            state_dict = value_head_from_policy(state_dict, init=self.value_head_init)
         out: Dict[str, Any] = {training.MODEL_KEY: state_dict}
-        if self._should_load_recipe_state:
-            out.update(safe_torch_load(self._recipe_checkpoint, mmap=False))
+        if self.settings.should_load_recipe_state:
+            out.update(safe_torch_load(self.settings.recipe_checkpoint, mmap=False))
         return out
 
     def save_checkpoint(
@@ -237,7 +242,7 @@ class ClassifierHFCheckpointer(FullModelHFCheckpointer):
         """
         if adapter_only and training.ADAPTER_KEY not in state_dict:
             raise ValueError("adapter_only=True but state_dict holds no adapter weights.")
-        out_dir = Path(self._output_dir) / f"epoch_{epoch}"
+        out_dir = Path(self.settings.output_dir) / f"epoch_{epoch}"
         out_dir.mkdir(parents=True, exist_ok=True)
         head = None
         if not adapter_only:
@@ -248,15 +253,15 @@ class ClassifierHFCheckpointer(FullModelHFCheckpointer):
             self._write_shards(hf_state, out_dir)
         if training.ADAPTER_KEY in state_dict:
             self._write_adapters(state_dict[training.ADAPTER_KEY], state_dict.get(training.ADAPTER_CONFIG), out_dir)
-        copy_files(self._checkpoint_dir, out_dir, ignore_suffixes=SUFFIXES_TO_NOT_COPY)
+        copy_files(self.settings.checkpoint_dir, out_dir, ignore_suffixes=SUFFIXES_TO_NOT_COPY)
         # After copy_files, which leaves existing files alone: the source's config.json may be a
         # *ForCausalLM one (a value model started from a policy).
-        num_labels = head.shape[0] if head is not None else self._config.get("num_labels", 1)
-        config = _classifier_config(self._config, num_labels=num_labels)
+        num_labels = head.shape[0] if head is not None else self.settings.config.get("num_labels", 1)
+        config = _classifier_config(self.settings.config, num_labels=num_labels)
         (out_dir / "config.json").write_text(json.dumps(config, indent=2))
         if intermediate_checkpoint:
             rest = {k: v for k, v in state_dict.items() if k != training.MODEL_KEY}
-            path = Path(self._output_dir) / RECIPE_STATE_DIRNAME / "recipe_state.pt"
+            path = Path(self.settings.output_dir) / RECIPE_STATE_DIRNAME / "recipe_state.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(rest, path)
 
@@ -266,7 +271,7 @@ class ClassifierHFCheckpointer(FullModelHFCheckpointer):
         in ``adapter_model.pt``, PEFT's in ``adapter_model.safetensors`` and ``adapter_config.json``
         (a ``*ForSequenceClassification`` names its layers as the causal LM does)."""
         torch.save(dict(adapters), out_dir / "adapter_model.pt")
-        c = self._config
+        c = self.settings.config
         peft = convert_weights.tune_to_peft_adapter_weights(
             dict(adapters), num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
             dim=c["hidden_size"], head_dim=c.get("head_dim"))
@@ -277,7 +282,7 @@ class ClassifierHFCheckpointer(FullModelHFCheckpointer):
             (out_dir / "adapter_config.json").write_text(json.dumps(config))
 
     def _conversion_args(self) -> Dict[str, Any]:
-        c = self._config
+        c = self.settings.config
         return dict(
             num_heads=c["num_attention_heads"],
             num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
@@ -286,38 +291,38 @@ class ClassifierHFCheckpointer(FullModelHFCheckpointer):
         )
 
     def _hf_to_tune(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        if self._model_type == ModelType.QWEN2:
+        if self.settings.model_type == ModelType.QWEN2:
             return qwen2_hf_to_tune(state_dict, **self._conversion_args())
         return convert_weights.hf_to_tune(state_dict, **self._conversion_args())
 
     def _tune_to_hf(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        if self._model_type == ModelType.QWEN2:
+        if self.settings.model_type == ModelType.QWEN2:
             return qwen2_tune_to_hf(state_dict, **self._conversion_args())
         return convert_weights.tune_to_hf(state_dict, **self._conversion_args())
 
     def _write_shards(self, hf_state: Dict[str, torch.Tensor], out_dir: Path) -> None:
         """Split ``hf_state`` as the source checkpoint was split; write the shards and index."""
-        weight_map = self._weight_map or {}
+        shard_of = weight_map(self)
         # A key the source did not hold (the head of a value model started from a policy)
         # goes where the LM head was, else into the last shard.
-        fallback = weight_map.get(_LM_HEAD, max(weight_map.values(), default="0001"))
+        fallback = shard_of.get(_LM_HEAD, max(shard_of.values(), default="0001"))
         shards: Dict[str, Dict[str, torch.Tensor]] = {}
         for key, tensor in hf_state.items():
-            shards.setdefault(weight_map.get(key, fallback), {})[key] = tensor
-        suffix = ".safetensors" if self._safe_serialization else ".bin"
+            shards.setdefault(shard_of.get(key, fallback), {})[key] = tensor
+        suffix = ".safetensors" if self.settings.safe_serialization else ".bin"
         index: Dict[str, str] = {}
         total_size = 0
         # Numbered 1..n: a source shard left empty (one that held only the LM head) leaves no gap.
         for i, shard_id in enumerate(sorted(shards)):
             name = SHARD_FNAME.format(cpt_idx=f"{i + 1:05}", num_shards=f"{len(shards):05}") + suffix
             tensors = {k: v.contiguous() for k, v in shards[shard_id].items()}
-            if self._safe_serialization:
+            if self.settings.safe_serialization:
                 save_file(tensors, out_dir / name, metadata={"format": "pt"})
             else:
                 torch.save(tensors, out_dir / name)
             index.update({key: name for key in tensors})
             total_size += sum(t.numel() * t.element_size() for t in tensors.values())
-        index_name = SAFETENSOR_INDEX_FNAME if self._safe_serialization else TORCH_INDEX_FNAME
+        index_name = SAFETENSOR_INDEX_FNAME if self.settings.safe_serialization else TORCH_INDEX_FNAME
         (out_dir / index_name).write_text(
             json.dumps({"metadata": {"total_size": total_size}, "weight_map": index}, indent=2)
         )

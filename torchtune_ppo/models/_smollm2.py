@@ -17,7 +17,6 @@ with :class:`torchtune_ppo.models.ClassifierHFCheckpointer` (``model_type: LLAMA
 from typing import Callable, List, Optional
 
 from torch import nn
-from torchtune.models.llama3._component_builders import lora_llama3_mlp
 from torchtune.modules.peft import LoRALinear
 from torchtune.modules import (
     MultiHeadAttention,
@@ -28,7 +27,7 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 
-from torchtune_ppo._patches.torchtune_modules import llama3_mlp
+from torchtune_ppo._patches.torchtune_modules import llama3_mlp, lora_llama3_mlp
 from torchtune_ppo.models._component_builders import with_classifier_head
 from torchtune_ppo.models._hf_tokenizer import HFChatTokenizer, hf_chat_tokenizer
 

@@ -1,7 +1,7 @@
 """The PPO loss step: policy and value forward on a packed micro-step, then the clipped losses.
 
 :func:`packed_ppo_loss_step` runs on packed micro-steps (real tokens only, see
-:mod:`torchtune_ppo.ppo.packing`) and projects to the vocabulary only where it reads a logprob.
+:mod:`torchtune_ppo.rlhf.packing`) and projects to the vocabulary only where it reads a logprob.
 Its padded twin on ``[b, P + T]`` trajectory rows, the reference it is tested against, is a
 test asset (``tests/twins/loss_step.py``). It is compiled as one region when
 ``compile.loss_step`` is on; the caller runs ``loss.backward()`` on its output, which
@@ -13,10 +13,9 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from torchtune_ppo.ppo import rlhf
-from torchtune_ppo.ppo.kl import kl_loss_estimate
+from torchtune_ppo import rlhf
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states
-from torchtune_ppo.ppo.packing import block_causal_masks
+from torchtune_ppo.rlhf import block_causal_masks, kl_loss_estimate
 
 
 def packed_ppo_loss_step(
@@ -50,7 +49,7 @@ def packed_ppo_loss_step(
 ) -> Tuple[torch.Tensor, rlhf.PPOStats]:
     """Forward both trained models on one packed micro-step; return its weighted PPO loss and stats.
 
-    The tensor arguments are the fields of :class:`~torchtune_ppo.ppo.packing.PackedMicroStep`:
+    The tensor arguments are the fields of :class:`~torchtune_ppo.rlhf.packing.PackedMicroStep`:
     ``R`` rows of ``L`` packed tokens and ``C`` chunks of ``K`` reads; ``R`` and ``K`` vary from
     call to call (compiled: one graph, dynamic in both). The output projections run only on the
     read positions, the policy's one chunk at a time (no ``[R, L, V]`` logits; the largest
@@ -87,7 +86,7 @@ def packed_ppo_loss_step(
         entropy_coeff (float): the token loss gets ``- entropy_coeff * entropy`` (the policy's
             entropy over the vocabulary at the read); 0: the entropy is only a stat.
         kl_coeff (float): the token loss gets ``+ kl_coeff * kl`` (``kl`` from
-            :func:`~torchtune_ppo.ppo.kl.kl_loss_estimate` with ``kl_estimator``); 0: a stat only.
+            :func:`~torchtune_ppo.rlhf.kl.kl_loss_estimate` with ``kl_estimator``); 0: a stat only.
         kl_estimator (str): ``k1``, ``k2``, ``k3``, ``k1+`` or ``k3+``.
 
     Returns:

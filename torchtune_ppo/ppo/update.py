@@ -16,9 +16,9 @@ from torch import nn
 from torchtune import utils
 
 from torchtune_ppo import distributed
-from torchtune_ppo.ppo import packing, rlhf
-from torchtune_ppo.rollout.trajectory import Trajectory
-from torchtune_ppo.run.metrics import PackedTokens
+from torchtune_ppo import rlhf
+from torchtune_ppo.rlhf import Trajectory, packing
+from torchtune_ppo.rlhf.packing import PackedTokens
 
 log = utils.get_logger("INFO")
 
@@ -28,7 +28,7 @@ class LossSettings(NamedTuple):
     ``epsilon`` (ratio clip), ``value_clip_range``, ``value_coeff``; clip-higher's
     ``epsilon_low``/``epsilon_high`` and ``dual_clip`` (None: ``epsilon``, off); the entropy bonus
     ``entropy_coeff`` and the KL loss term ``kl_coeff`` with its ``kl_estimator`` (0: off).
-    ``aggregation`` (:data:`~torchtune_ppo.ppo.packing.AGGREGATIONS`) goes to packing, as the
+    ``aggregation`` (:data:`~torchtune_ppo.rlhf.loss.AGGREGATIONS`) goes to packing, as the
     token weights."""
 
     epsilon: float
@@ -106,6 +106,9 @@ class PPOUpdate:
         critic_warmup_steps (int): PPO steps (1-based ``step`` up to this) that update the value
             model only: the policy's gradients are dropped before clipping and the optimizer
             step, so its weights and optimizer state stay as they were.
+        fixed_shapes (bool): every micro-step gets the same rows and reads, for a compiled loss
+            step that cannot take dynamic sizes (under FSDP: ``regions.loss_step_fixed_shapes``
+            of :func:`torchtune_ppo.compile.regions`).
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class PPOUpdate:
         clip_grad_norm: Optional[float],
         optimizer_in_bwd: bool,
         critic_warmup_steps: int = 0,
+        fixed_shapes: bool = False,
     ) -> None:
         self.policy_model, self.value_model = policy_model, value_model
         self.optimizer, self.lr_scheduler, self.loss_step = optimizer, lr_scheduler, loss_step
@@ -141,9 +145,7 @@ class PPOUpdate:
         self._max_norm = float("inf") if clip_grad_norm is None else float(clip_grad_norm)
         self._in_bwd = optimizer_in_bwd
         self.critic_warmup_steps = critic_warmup_steps
-        # Under FSDP the compiled step is split into frames at its hooks, and those frames
-        # specialise any dynamic size: fixed shapes there, one graph either way.
-        self._fixed_shapes = world > 1
+        self._fixed_shapes = fixed_shapes
         self._packed_tokens = PackedTokens()
 
     def __call__(self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor,
@@ -193,7 +195,7 @@ class PPOUpdate:
                            micro_batches: List[List[int]], lengths: packing.SequenceLengths,
                            step: int) -> List[rlhf.PPOStats]:
         """Loss and gradients of one minibatch (trajectory rows in micro-batches), packed;
-        returns one :class:`~torchtune_ppo.ppo.rlhf.PPOStats` per micro-batch, summed over ranks."""
+        returns one :class:`~torchtune_ppo.rlhf.loss.PPOStats` per micro-batch, summed over ranks."""
         valid_totals = num_sequences = None
         if distributed.world_size() > 1:  # token weights over the global (micro-)batch's tokens, sequences
             counts = torch.tensor([sum(lengths.valid_counts[i] for i in idxs) for idxs in micro_batches]

@@ -257,7 +257,7 @@ class FunctionReward:
         prompt_len: int,
         stop_token_ids: Union[torch.Tensor, Sequence[int]],
     ) -> torch.Tensor:
-        """Score the rows of a truncated batch, as in :class:`~torchtune_ppo.rollout.trajectory.Trajectory`.
+        """Score the rows of a truncated batch, as in :class:`~torchtune_ppo.rlhf.trajectory.Trajectory`.
 
         Args:
             query_responses (torch.Tensor): left-padded prompts then truncated responses ``[b, P + T]``.

@@ -2,14 +2,12 @@
 
 - :mod:`~torchtune_ppo.rollout.generation` and :mod:`~torchtune_ppo.rollout.sampling`: the
   batched generator, step 1.
-- :mod:`~torchtune_ppo.rollout.trajectory`: the :class:`Trajectory`, the scoring settings and
-  the rules every scoring path shares (masks, truncation, penalties).
 - :mod:`~torchtune_ppo.rollout.scoring`: steps 2-6 on packed real tokens.
 - :mod:`~torchtune_ppo.rollout.rollout`: :class:`Rollout`, what the recipe calls.
 - :mod:`~torchtune_ppo.rollout.fused`: experimental, steps 1-6 as one region (``compile.rollout``).
 """
 
 from torchtune_ppo.rollout.rollout import Rollout  # noqa: F401
-from torchtune_ppo.rollout.trajectory import ScoringSettings, Trajectory  # noqa: F401
+from torchtune_ppo.rlhf import ScoringSettings, Trajectory  # noqa: F401
 
 __all__ = ["Rollout", "ScoringSettings", "Trajectory"]

@@ -6,8 +6,8 @@ stop (every row runs all ``T`` steps) and no packing (that needs the lengths on 
 mid-region): the default split rollout (:class:`~torchtune_ppo.rollout.Rollout`) is faster
 wherever it was measured. :func:`score_trajectory` runs the models on padded ``[b, P + T]``
 rows; it is also the reference twin the packed scoring is tested against. Both scorings share
-:func:`~torchtune_ppo.rollout.trajectory.truncated` and
-:func:`~torchtune_ppo.rollout.trajectory.finish_trajectory`.
+:func:`~torchtune_ppo.rlhf.trajectory.truncated` and
+:func:`~torchtune_ppo.rlhf.trajectory.finish_trajectory`.
 """
 
 from typing import Callable, Optional, Tuple
@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states
-from torchtune_ppo.ppo import rlhf
+from torchtune_ppo import rlhf
 from torchtune_ppo.rollout.generation import Generator, generate_next_token, prefill
-from torchtune_ppo.rollout.trajectory import ScoringSettings, Trajectory, finish_trajectory, truncated
+from torchtune_ppo.rlhf import ScoringSettings, Trajectory, finish_trajectory, truncated
 
 
 # Reward source: (query_responses [b, S], masks [b, S, S], position_ids [b, S],

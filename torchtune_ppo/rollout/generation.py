@@ -1,8 +1,9 @@
 """KV-cached batched generation with a compiled prefill and a compiled decode step.
 
 gpt-fast style: :func:`prefill` and :func:`generate_next_token` are plain functions that
-sample inside the step (no host sync), and :class:`Generator` wraps them with
-:func:`torchtune_ppo.compile.maybe_compile`. Every shape is fixed by ``batch_size``,
+sample inside the step (no host sync); :class:`Generator` runs them as it is given them
+(:class:`GenerationSteps`: eager, or compiled by :func:`torchtune_ppo.compile.generation_steps`
+at the top of a run). Every shape is fixed by ``batch_size``,
 ``max_prompt_len`` and ``max_generated_tokens``; the KV cache, masks and positions live in
 buffers allocated once and updated in place, so each region compiles once.
 
@@ -23,18 +24,19 @@ of each row is sampled from the group's shared last-position logits with the row
 """
 
 import contextlib
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torchtune.modules import TransformerDecoder
 
-from torchtune_ppo.ppo import rlhf
-from torchtune_ppo.compile import generation_steps, skip_guard_checks
+from torchtune_ppo._patches.dynamo import skip_guard_checks
 from torchtune_ppo._patches.torchtune_modules import StaticKVCache
-from torchtune_ppo.config import check_compile_mode, check_sampling
+from torchtune_ppo.config import check_sampling, check_whole_groups
+from torchtune_ppo.rlhf import truncate_after_stop_token
 from torchtune_ppo.rollout.sampling import sample
 
-__all__ = ["GenerationInputs", "GenerationOutput", "Generator", "generate_next_token", "prefill", "prefill_group"]
+__all__ = ["GenerationInputs", "GenerationOutput", "GenerationSteps", "Generator", "generate_next_token",
+           "prefill", "prefill_group"]
 
 
 class GenerationOutput(NamedTuple):
@@ -169,6 +171,29 @@ def generate_next_token(
     return token, logprob, logits
 
 
+class GenerationSteps(NamedTuple):
+    """The step functions a :class:`Generator` runs: :func:`prefill`, :func:`prefill_group` and
+    :func:`generate_next_token`, each eager or compiled (:func:`torchtune_ppo.compile.generation_steps`).
+
+    Attributes:
+        prefill (Callable): one prefill per row.
+        prefill_group (Callable): one prefill per group of rows that share a prompt.
+        decode (Callable): one decode step.
+        compiled (bool): the steps are compiled, so the decode loop may skip guard evaluation
+            after its first step.
+        cudagraphs (bool): the decode step replays CUDA graphs, whose outputs the next replay
+            overwrites.
+    """
+
+    prefill: Callable
+    prefill_group: Callable
+    decode: Callable
+    compiled: bool = False
+    cudagraphs: bool = False
+
+
+EAGER_STEPS = GenerationSteps(prefill, prefill_group, generate_next_token)
+
 
 class Generator:
     """Batched sampling from a policy with a static KV cache, for PPO rollouts.
@@ -187,10 +212,7 @@ class Generator:
         temperature (float): sampling temperature, > 0.
         top_k (Optional[int]): top-k filtering; 1 gives greedy decoding.
         top_p (Optional[float]): nucleus filtering, in (0, 1].
-        compiled (bool): compile the prefill and decode step.
-        compile_mode (str): ``torch.compile`` mode. CUDA graphs (``"reduce-overhead"``,
-            ``"max-autotune"``) apply to the decode step only; the prefill, run once per batch,
-            is compiled without them.
+        steps (GenerationSteps): the prefill and decode step to run; eager by default.
         stop_check_every (int): decode steps between the host syncs that stop the loop early
             once every row is done.
         group_size (int): ``n``: the rows of every call come in groups of ``n`` identical
@@ -215,8 +237,7 @@ class Generator:
         temperature: float = 1.0,
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
-        compiled: bool = False,
-        compile_mode: str = "default",
+        steps: GenerationSteps = EAGER_STEPS,
         stop_check_every: int = 8,
         group_size: int = 1,
         dtype: Optional[torch.dtype] = None,
@@ -231,7 +252,6 @@ class Generator:
         self.device = torch.device(device) if device is not None else param.device
         self.vocab_size = model.tok_embeddings.num_embeddings
         check_sampling(temperature, top_k, top_p, prefix="Generator: ")
-        check_compile_mode(compile_mode, key="Generator: compile_mode")
         _check_sizes(self)
         top_k = None if top_k is None else min(top_k, self.vocab_size)
         top_p = None if top_p is None or top_p >= 1.0 else top_p
@@ -239,11 +259,9 @@ class Generator:
         self.greedy = top_k == 1
         self.noise_width = top_k if top_k is not None else self.vocab_size  # W
 
-        self._compiled = compiled
-        self._prefill, self._decode, self._cudagraphs = generation_steps(
-            prefill if group_size == 1 else prefill_group, generate_next_token,
-            compiled=compiled, mode=compile_mode, device=self.device,
-        )
+        self._steps = steps
+        self._prefill = steps.prefill if group_size == 1 else steps.prefill_group
+        self._decode, self._cudagraphs = steps.decode, steps.cudagraphs
         self.kv_cache = StaticKVCache(
             model, batch_size=batch_size, seq_len=max_prompt_len + max_generated_tokens,
             dtype=dtype or param.dtype, device=self.device,
@@ -350,7 +368,7 @@ class Generator:
             self.prepare(prompts, prompt_lens, rng)
             b = prompts.shape[0]
             logits = self._decode_loop(b, rng, return_logits)
-        _, responses = rlhf.truncate_after_stop_token(self._tokens_out[:b], self._stop_ids, self.pad_id)
+        _, responses = truncate_after_stop_token(self._tokens_out[:b], self._stop_ids, self.pad_id)
         query_responses = torch.cat([prompts.to(self.device, torch.long), responses], dim=1)
         return GenerationOutput(
             query_responses, self._logprobs_out[:b].clone(), None if logits is None else logits[:b]
@@ -380,7 +398,7 @@ class Generator:
                 if self.stop_token_ids and i % self.stop_check_every == 0 and self._all_done(b, i):
                     break
                 if i == 2:  # step 1 ran the full guard check; nothing they cover changes after it
-                    stack.enter_context(skip_guard_checks(self._compiled))
+                    stack.enter_context(skip_guard_checks(self._steps.compiled))
                 self._decode_mask_cols[P + i - 1].fill_(True)  # the fed token's cache column
                 if self._cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
@@ -418,11 +436,7 @@ def _check_sizes(gen: "Generator") -> None:
             f"Generator: max_prompt_len + max_generated_tokens = {seq_len} exceeds the "
             f"model's max_seq_len={gen.model.max_seq_len}."
         )
-    if gen.batch_size % gen.group_size:
-        raise ValueError(
-            f"Generator: batch_size={gen.batch_size} must be a multiple of group_size="
-            f"{gen.group_size}, so that every call holds whole groups."
-        )
+    check_whole_groups(gen.batch_size, gen.group_size, f"Generator: batch_size={gen.batch_size}")
     bad = [t for t in gen.stop_token_ids if not 0 <= t < gen.vocab_size]
     if bad:
         raise ValueError(
@@ -460,8 +474,7 @@ def _check_groups(gen: "Generator", prompts: torch.Tensor, prompt_lens: torch.Te
     n, b, P = gen.group_size, prompts.shape[0], gen.max_prompt_len
     if n == 1:
         return
-    if b % n:
-        raise ValueError(f"generate: group_size={n} needs whole groups of rows; got {b} prompts.")
+    check_whole_groups(b, n, f"generate: a call of {b} prompts")
     lens = prompt_lens.view(-1, n)  # [g, n]
     real = torch.arange(P, device=prompts.device) >= P - prompt_lens.to(prompts.device)[:, None]  # [b, P]
     same = (prompts.view(-1, n, P) == prompts.view(-1, n, P)[:, :1]) | ~real.view(-1, n, P)

@@ -24,15 +24,13 @@ from typing import Callable, ContextManager, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from torchtune_ppo import compile as compiling
 from torchtune_ppo import distributed
-from torchtune_ppo.ppo import rlhf
-from torchtune_ppo.ppo.packing import logprob_chunks
 from torchtune_ppo.rewards.functions import FunctionReward
 from torchtune_ppo.rewards.model import ModelReward
+from torchtune_ppo.rlhf import ScoringSettings, Trajectory, truncate_after_stop_token
+from torchtune_ppo.rlhf.packing import logprob_chunks
 from torchtune_ppo.rollout.generation import Generator
-from torchtune_ppo.rollout.scoring import PackedScoring, plan_scoring
-from torchtune_ppo.rollout.trajectory import ScoringSettings, Trajectory
+from torchtune_ppo.rollout.scoring import PackedScoring, packed_score_trajectory, plan_scoring
 
 
 class Rollout:
@@ -48,7 +46,12 @@ class Rollout:
         stop_token_ids (torch.Tensor): ``[n_stop]`` on the models' device.
         settings (ScoringSettings): the scoring's scalars; ``prompt_len`` and ``temperature``
             must be the generator's.
-        regions (compiling.Regions): the scoring and fused callables (:func:`torchtune_ppo.compile.regions`).
+        score (Callable): steps 2-6 on packed rows, eager or compiled (``regions.score`` of
+            :func:`torchtune_ppo.compile.regions`).
+        fused_rollout (Optional[Callable]): steps 1-6 as one region, instead of generation then
+            ``score`` (``compile.rollout``); None: off.
+        whole_scoring_models (bool): the scoring runs as one graph, which cannot cross FSDP's
+            hooks: sharded scoring models are gathered whole around it.
         reference (Optional[Callable[[], ContextManager]]): entered around each scoring call, to
             make ``ref_policy_model`` the reference: for a LoRA policy that is the policy itself
             and this switches its adapters off (:func:`torchtune_ppo.lora.adapters_off`).
@@ -63,7 +66,10 @@ class Rollout:
         reward: Union[ModelReward, FunctionReward],
         stop_token_ids: torch.Tensor,
         settings: ScoringSettings,
-        regions: compiling.Regions,
+        *,
+        score: Callable = packed_score_trajectory,
+        fused_rollout: Optional[Callable] = None,
+        whole_scoring_models: bool = False,
         reference: Optional[Callable[[], ContextManager]] = None,
     ) -> None:
         if not isinstance(reward, (ModelReward, FunctionReward)):
@@ -74,13 +80,13 @@ class Rollout:
         self.generator = generator
         self.ref_policy_model, self.value_model = ref_policy_model, value_model
         self.reward, self.stop_token_ids, self.settings = reward, stop_token_ids, settings
-        self._score, self._fused = regions.score, regions.fused_rollout
+        self._score, self._fused = score, fused_rollout
         if reference is not None and self._fused is not None:
             raise ValueError("compile.rollout traces generation (adapters on) and the reference "
                              "(adapters off) into one region; with a LoRA policy use compile.generate "
                              "and compile.trajectory instead.")
         self._reference = reference or contextlib.nullcontext
-        self._compiled_scoring = regions.whole_scoring_models
+        self._compiled_scoring = whole_scoring_models
         self._scoring_models = [m for m in (ref_policy_model, value_model, self._reward_model) if m is not None]
         self._num_chunks = logprob_chunks(generator.batch_size * generator.max_generated_tokens)
 
@@ -125,7 +131,7 @@ class Rollout:
 
     def _valid_counts(self, query_responses: torch.Tensor) -> torch.Tensor:
         """Valid response tokens per row ``[b]``, stop token included."""
-        padding, _ = rlhf.truncate_after_stop_token(
+        padding, _ = truncate_after_stop_token(
             query_responses[:, self.settings.prompt_len:], self.stop_token_ids, self.settings.pad_id
         )
         return (~padding).sum(-1)

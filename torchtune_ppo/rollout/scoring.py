@@ -1,18 +1,18 @@
 """Steps 2-6 on real tokens only: the scoring forwards on packed rows.
 
-:func:`~torchtune_ppo.rollout.trajectory.score_trajectory` runs the reference policy, the value model
+:func:`~torchtune_ppo.rollout.fused.score_trajectory` runs the reference policy, the value model
 and the reward model on padded ``[b, P + T]`` rows: left-padded prompts, responses padded after
 the stop token. Real tokens are often a third of those positions. Here each row's real tokens
 (its prompt's, then its response up to and including its last valid token) are packed whole,
 first-fit decreasing, into at most ``b`` rows of ``P + T`` slots, as the loss step packs its
-micro-steps (:mod:`torchtune_ppo.ppo.packing`): block-diagonal causal masks, positions from 0 per
+micro-steps (:mod:`torchtune_ppo.rlhf.packing`): block-diagonal causal masks, positions from 0 per
 sequence, outputs projected only where read.
 
 :func:`plan_scoring` places the sequences on the host from each row's prompt length and valid
 response length (read in one sync after generation). :func:`packed_score_trajectory` is the
 region, compiled as one graph when ``compile.trajectory`` is on: it truncates, builds the
 packed tokens by a gather, runs the models, and gathers their outputs back into the ``[b, T]``
-and ``[b]`` tensors of the padded :class:`~torchtune_ppo.rollout.trajectory.Trajectory`, which it
+and ``[b]`` tensors of the padded :class:`~torchtune_ppo.rlhf.trajectory.Trajectory`, which it
 returns with the same fields and meanings (padded masks and position ids included). The rows
 ``R`` and the chunk length ``K`` of the reads change with the length mix;
 :meth:`PackedScoring.mark_dynamic` marks them so the compiled region keeps one graph for every mix.
@@ -28,12 +28,11 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from torchtune_ppo import compile as compiling
-from torchtune_ppo import lora
+from torchtune_ppo import lora, rlhf
+from torchtune_ppo._patches.dynamo import mark_dynamic
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states
-from torchtune_ppo.ppo import rlhf
-from torchtune_ppo.ppo.packing import MIN_SIZE, block_causal_masks, plan_micro_steps, to_device
-from torchtune_ppo.rollout.trajectory import ScoringSettings, Trajectory, finish_trajectory, truncated
+from torchtune_ppo.rlhf import ScoringSettings, Trajectory, block_causal_masks, finish_trajectory, truncated
+from torchtune_ppo.rlhf.packing import MIN_SIZE, plan_micro_steps, to_device
 
 
 class PackedScoring(NamedTuple):
@@ -66,7 +65,7 @@ class PackedScoring(NamedTuple):
 
     def mark_dynamic(self) -> "PackedScoring":
         """Rows ``R`` and chunk length ``K`` dynamic for ``torch.compile`` (both at least 2)."""
-        return compiling.mark_dynamic(self, rows=self[:3], reads=self[3:5])
+        return mark_dynamic(self, rows=self[:3], reads=self[3:5])
 
 
 def plan_scoring(

@@ -22,9 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 
 from torchtune_ppo import distributed, lora
-from torchtune_ppo.config import parse_compile, shares_reward_value_base
-from torchtune_ppo.ppo.advantages import uses_value_model
-from torchtune_ppo.ppo.packing import default_rows
+from torchtune_ppo.config import shares_reward_value_base
+from torchtune_ppo.rlhf import uses_value_model
+from torchtune_ppo.rlhf.packing import default_rows
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # torch.optim.AdamW keeps two states per parameter in the parameter's dtype; SGD with momentum
@@ -206,7 +206,7 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
             + rows_per_step * cfg.max_generated_tokens * vocab * 4 * logit_copies,
     }
     if W > 1:
-        compile_cfg = parse_compile(cfg.compile)
+        compile_cfg = cfg.compile
         # Generation gathers the policy; compiled scoring, afterwards, the scoring models (the
         # value model, and the frozen ones when sharded); compile.rollout all of them at once.
         scoring, names = (n_value, ["value"]) if critic else (0, [])
@@ -257,12 +257,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value, as on the tune command line")
     args = parser.parse_args(argv)
     import torchtune_ppo  # noqa: F401  registers the config resolvers
-    from torchtune_ppo.config import validate_config
+    from torchtune_ppo.config import check_world_size, validate_config
 
     cfg = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(list(args.overrides)))
     # Checkpoint files need not exist to plan; only the model builders are read.
     cfg = validate_config(cfg, check_machine=False)
-    distributed.check_world_size(cfg, args.nproc)
+    check_world_size(cfg, args.nproc)
     plan = memory_plan(cfg, prompt_len=cfg.max_prompt_len or 256, world_size=args.nproc)
     print(plan.table() if args.nproc == 1 else plan.table().replace(":", f", per device of {args.nproc}:", 1))
     if not plan.fits_estimate:

@@ -9,10 +9,12 @@ import time
 from typing import Dict, Iterator, List
 
 import torch
+from torchtune import config
+from torchtune.training.metric_logging import DiskLogger
 
 from torchtune_ppo import distributed
-from torchtune_ppo.ppo import rlhf
-from torchtune_ppo.rollout.trajectory import Trajectory
+from torchtune_ppo import rlhf
+from torchtune_ppo.rlhf import Trajectory
 
 
 class PhaseTimer:
@@ -31,32 +33,6 @@ class PhaseTimer:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
-
-
-class PackedTokens:
-    """Token slots the loss step ran on against the real tokens it needed, over a step.
-
-    ``ratio`` (logged as ``loss_step_slots_per_token``) is 1.0 for perfect packing; a padded
-    step would run on ``P + T`` slots per row.
-    """
-
-    def __init__(self) -> None:
-        self.slots = self.real = 0
-
-    def reset(self) -> None:
-        self.slots = self.real = 0
-
-    def update(self, steps, lengths, micro_batches) -> None:
-        """Counts one minibatch's packed micro-steps and the real tokens of its sequences."""
-        self.slots += sum(step.tokens.numel() for step in steps)
-        self.real += sum(
-            lengths.prompt_lens[i] + lengths.spans[i] - 1
-            for idxs in micro_batches for i in idxs if lengths.spans[i] > 0
-        )
-
-    @property
-    def ratio(self) -> float:
-        return self.slots / self.real if self.real else float("nan")
 
 
 def step_metrics(
@@ -141,3 +117,13 @@ class NullMetricLogger:
 
     def close(self) -> None:
         pass
+
+
+def metric_logger(cfg, *, rank_zero: bool):
+    """The run's metric logger: ``cfg.metric_logger`` built, or torchtune's ``DiskLogger`` in
+    ``<output_dir>/logs`` when it is null; a :class:`NullMetricLogger` on ranks other than 0."""
+    if not rank_zero:
+        return NullMetricLogger()
+    if cfg.metric_logger is None:
+        return DiskLogger(log_dir=f"{cfg.output_dir}/logs")
+    return config.instantiate(cfg.metric_logger)

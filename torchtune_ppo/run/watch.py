@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from torchtune_ppo.run.logs import read_disk_log
-from torchtune_ppo.rollout.trajectory import Trajectory
+from torchtune_ppo.rlhf import Trajectory
 
 SAMPLES_FILE = "samples.jsonl"
 # (metric key, panel title) of each panel of the plot.

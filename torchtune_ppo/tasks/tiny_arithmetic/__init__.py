@@ -13,8 +13,7 @@ Config builders: ``torchtune_ppo.tasks.tiny_arithmetic.tiny_policy``,
 
 from typing import Optional
 
-from torchtune.models.llama2 import Llama2Tokenizer
-from torchtune.models.llama2._component_builders import llama2, llama2_classifier
+from torchtune.models.llama2 import Llama2Tokenizer, llama2, llama2_classifier
 from torchtune.modules import TransformerDecoder
 
 from torchtune_ppo import asset_path

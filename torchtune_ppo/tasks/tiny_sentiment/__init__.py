@@ -13,8 +13,7 @@ Config builders: ``torchtune_ppo.tasks.tiny_sentiment.tiny_policy``,
 
 from typing import List, Optional
 
-from torchtune.models.llama2 import Llama2Tokenizer
-from torchtune.models.llama2._component_builders import llama2, llama2_classifier, lora_llama2, lora_llama2_classifier
+from torchtune.models.llama2 import Llama2Tokenizer, llama2, llama2_classifier, lora_llama2, lora_llama2_classifier
 from torchtune.modules import TransformerDecoder
 
 from torchtune_ppo import asset_path

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from torchtune_ppo.ppo import rlhf
+from torchtune_ppo.rlhf.sequence_processing import get_reward_penalty_mask, masks_and_positions, truncate_after_stop_token
 
 
 class ScoringSettings(NamedTuple):
@@ -61,33 +61,6 @@ class Trajectory(NamedTuple):
     seq_lens: torch.Tensor
 
 
-def masks_and_positions(
-    prompt_lens: torch.Tensor, prompt_len: int, response_len: int
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention masks and position ids for left-padded prompts followed by responses.
-
-    Padding is told by each prompt's real length, never by a token value. Only prompt padding
-    is masked: tokens after a stop token never influence earlier positions in a causal model,
-    and their outputs are masked downstream.
-
-    Args:
-        prompt_lens (torch.Tensor): real tokens of each prompt ``[b]``.
-        prompt_len (int): ``P``, the padded prompt width.
-        response_len (int): ``T``.
-
-    Returns:
-        Tuple[torch.Tensor, torch.Tensor]: bool masks ``[b, P + T, P + T]`` (the diagonal is
-        always True so all-pad rows stay finite) and int64 position ids ``[b, P + T]``.
-    """
-    s = prompt_len + response_len
-    cols = torch.arange(s, device=prompt_lens.device)
-    valid = cols >= (prompt_len - prompt_lens)[:, None]  # [b, S]
-    causal = cols[None, :] <= cols[:, None]  # [S, S]
-    masks = (causal & valid[:, None, :]) | torch.eye(s, dtype=torch.bool, device=valid.device)
-    position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    return masks, position_ids
-
-
 def truncated(
     query_responses: torch.Tensor,
     prompt_lens: torch.Tensor,
@@ -101,7 +74,7 @@ def truncated(
     prompt_len = settings.prompt_len
     prompts, responses = query_responses[:, :prompt_len], query_responses[:, prompt_len:]
     masks, position_ids = masks_and_positions(prompt_lens, prompt_len, responses.shape[1])
-    response_padding_masks, responses = rlhf.truncate_after_stop_token(
+    response_padding_masks, responses = truncate_after_stop_token(
         responses, stop_token_ids, settings.pad_id
     )
     return torch.cat([prompts, responses], dim=1), response_padding_masks, masks, position_ids
@@ -125,7 +98,7 @@ def finish_trajectory(
     prompt_len = query_responses.shape[1] - response_padding_masks.shape[1]
     valid = ~response_padding_masks
     seq_lens = valid.sum(-1)
-    penalty = rlhf.get_reward_penalty_mask(
+    penalty = get_reward_penalty_mask(
         response_padding_masks,
         seq_lens,
         stop_token_ids,
@@ -145,3 +118,4 @@ def finish_trajectory(
         scores=scores,
         seq_lens=seq_lens,
     )
+

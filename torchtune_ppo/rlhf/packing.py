@@ -12,27 +12,27 @@ micro-batch's row count, so its activations never exceed the padded step's) and 
 reads. Sequences sharing a row see only themselves (block-diagonal causal masks) and count
 positions from 0, as in their trajectory row. A micro-step has only the rows and reads it
 uses (at least 2 of each, so that no size is 1), so the tensors' first dimensions change from
-call to call: the compiled loss step marks them dynamic (:func:`mark_dynamic`) and keeps one
-graph for every length mix, where fixed shapes would carry a third or more padding.
+call to call: the compiled loss step marks them dynamic
+(:func:`~torchtune_ppo._patches.dynamo.mark_dynamic`) and keeps one graph for every length mix,
+where fixed shapes would carry a third or more padding.
 
 Each read carries the weight ``1 / (grad_accum * valid tokens of its micro-batch)``, the
 micro-batch being the one the recipe drew for it, so the sum of the weighted token losses over
 all micro-steps of a minibatch equals the sum of the micro-batches' masked means scaled by
 ``1 / grad_accum``: the same loss, gradients and stats as the padded micro-batches. The
-``seq-mean-*`` aggregations (:data:`AGGREGATIONS`) weight the loss by sequence instead, over the
-whole (global) minibatch, so they do not depend on how it is split into micro-batches or ranks;
-the diagnostic stats (ratios, clip fractions, approximate KL) keep the token-mean weights.
+``seq-mean-*`` aggregations (:data:`~torchtune_ppo.rlhf.loss.AGGREGATIONS`) weight the loss by
+sequence instead, over the whole (global) minibatch, so they do not depend on how it is split
+into micro-batches or ranks; the diagnostic stats (ratios, clip fractions, approximate KL) keep
+the token-mean weights.
 """
 
-from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from torchtune_ppo import compile as compiling
-from torchtune_ppo.ppo import rlhf
-
-if TYPE_CHECKING:  # the rollout imports this module's planner
-    from torchtune_ppo.rollout.trajectory import Trajectory
+from torchtune_ppo._patches.dynamo import mark_dynamic
+from torchtune_ppo.rlhf.loss import PPOStats, loss_weight
+from torchtune_ppo.rlhf.trajectory import Trajectory
 
 
 class SequenceLengths(NamedTuple):
@@ -92,43 +92,11 @@ class PackedMicroStep(NamedTuple):
     def mark_dynamic(self) -> "PackedMicroStep":
         """Rows ``R`` and chunk length ``K`` dynamic for ``torch.compile``: the compiled loss step
         traces one graph, symbolic in both, and every later length mix reuses it."""
-        return compiling.mark_dynamic(self, rows=self[:3], reads=self[3:])
+        return mark_dynamic(self, rows=self[:3], reads=self[3:])
 
 
 # No micro-step has a dimension of size 1: the compiled step would specialise on it.
 MIN_SIZE = 2
-
-AGGREGATIONS = rlhf.AGGREGATIONS
-
-
-def loss_weight(
-    aggregation: str, *, grad_accum: int, micro_batch_tokens: int, num_sequences: int,
-    sequence_tokens: int, response_len: int,
-) -> float:
-    """The weight of each valid token loss of one sequence in its minibatch's loss.
-
-    - ``token-mean``: ``1 / (grad_accum * micro_batch_tokens)``, the mean over each micro-batch's
-      valid tokens, averaged over its ``grad_accum`` micro-batches (torchtune's PPO).
-    - ``seq-mean-token-mean``: ``1 / (num_sequences * sequence_tokens)``, each sequence's token
-      mean, averaged over the minibatch's sequences.
-    - ``seq-mean-token-sum``: ``1 / num_sequences``, each sequence's token sum, averaged.
-    - ``seq-mean-token-sum-norm``: ``1 / (num_sequences * response_len)``, each sequence's token
-      sum over the constant ``T`` (Dr. GRPO, https://arxiv.org/abs/2503.20783), averaged.
-
-    ``num_sequences`` counts the sequences with a valid token in the global minibatch, so the
-    ``seq-mean`` weights are the same however it is split into micro-batches and ranks.
-    """
-    if aggregation == "token-mean":
-        return 1.0 / (grad_accum * max(micro_batch_tokens, 1))
-    n = max(num_sequences, 1)
-    if aggregation == "seq-mean-token-mean":
-        return 1.0 / (n * max(sequence_tokens, 1))
-    if aggregation == "seq-mean-token-sum":
-        return 1.0 / n
-    if aggregation == "seq-mean-token-sum-norm":
-        return 1.0 / (n * response_len)
-    raise ValueError(f"loss.aggregation must be one of {list(AGGREGATIONS)}, got {aggregation!r}")
-
 
 def default_rows(micro_batch_size: int, fixed_shapes: bool = False) -> int:
     """Most rows of one packed micro-step: the padded micro-batch's, ``micro_batch_size``.
@@ -152,7 +120,7 @@ def logprob_chunks(max_reads: int, chunk_size: int = 256) -> int:
     return max(1, -(-max_reads // chunk_size))
 
 
-def sequence_lengths(trajectory: "Trajectory", prompt_len: int) -> SequenceLengths:
+def sequence_lengths(trajectory: Trajectory, prompt_len: int) -> SequenceLengths:
     """Reads each row's prompt length, response span and valid count to the host (one sync).
 
     The prompt length comes from the first response token's mask row, which attends to
@@ -217,7 +185,7 @@ def plan_micro_steps(
 
 
 def pack_minibatch(
-    trajectory: "Trajectory",
+    trajectory: Trajectory,
     advantages: torch.Tensor,
     returns: torch.Tensor,
     micro_batches: Sequence[Sequence[int]],
@@ -251,7 +219,7 @@ def pack_minibatch(
         valid_totals (Optional[Sequence[int]]): per micro-batch, the valid tokens its weights
             divide by; None for its own. With data parallel ranks: the global micro-batch's, so
             the ranks' weighted losses sum to the global micro-batch's mean.
-        aggregation (str): one of :data:`AGGREGATIONS`, see :func:`loss_weight`.
+        aggregation (str): one of :data:`~torchtune_ppo.rlhf.loss.AGGREGATIONS`, see :func:`loss_weight`.
         num_sequences (Optional[int]): sequences with a valid token in the global minibatch;
             None: this minibatch's (one process).
 
@@ -357,18 +325,38 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device, non_blocking=True)
 
 
-def block_causal_masks(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Causal attention within each packed sequence: ``segment_ids [R, L]`` -> bool ``[R, L, L]``."""
-    length = segment_ids.shape[-1]
-    causal = torch.tril(torch.ones(length, length, dtype=torch.bool, device=segment_ids.device))
-    return (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
-
-
-def micro_batch_stats(step_stats: Sequence[rlhf.PPOStats]) -> List[rlhf.PPOStats]:
+def micro_batch_stats(step_stats: Sequence[PPOStats]) -> List[PPOStats]:
     """Per-micro-batch stats of a minibatch from its packed micro-steps' ``[grad_accum]`` stats.
 
-    Returns ``grad_accum`` :class:`~torchtune_ppo.ppo.rlhf.PPOStats` of 0-dim tensors, each already
+    Returns ``grad_accum`` :class:`~torchtune_ppo.ppo.PPOStats` of 0-dim tensors, each already
     scaled by ``1 / grad_accum``, as the padded micro-batches return them.
     """
     totals = [torch.stack(field).sum(0) for field in zip(*step_stats)]  # each [grad_accum]
-    return [rlhf.PPOStats(*fields) for fields in zip(*(t.unbind() for t in totals))]
+    return [PPOStats(*fields) for fields in zip(*(t.unbind() for t in totals))]
+
+
+class PackedTokens:
+    """Token slots the loss step ran on against the real tokens it needed, over a step.
+
+    ``ratio`` (logged as ``loss_step_slots_per_token``) is 1.0 for perfect packing; a padded
+    step would run on ``P + T`` slots per row.
+    """
+
+    def __init__(self) -> None:
+        self.slots = self.real = 0
+
+    def reset(self) -> None:
+        self.slots = self.real = 0
+
+    def update(self, steps: Sequence[PackedMicroStep], lengths: SequenceLengths,
+               micro_batches: Sequence[Sequence[int]]) -> None:
+        """Counts one minibatch's packed micro-steps and the real tokens of its sequences."""
+        self.slots += sum(step.tokens.numel() for step in steps)
+        self.real += sum(
+            lengths.prompt_lens[i] + lengths.spans[i] - 1
+            for idxs in micro_batches for i in idxs if lengths.spans[i] > 0
+        )
+
+    @property
+    def ratio(self) -> float:
+        return self.slots / self.real if self.real else float("nan")

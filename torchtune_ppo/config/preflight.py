@@ -1,0 +1,84 @@
+"""Every check a run makes against the world before any weights load: :func:`preflight`.
+
+:func:`~torchtune_ppo.config.checks.validate_config` has checked the config on its own (keys,
+values, the rules between keys, the models built on the meta device). What is left needs the
+world outside the config, and is checked here, in this order, so that a bad run stops in
+seconds with a message that names the key or file:
+
+1. the processes: the global batch sizes split over them;
+2. the output folder: a fresh run must not overwrite a run's checkpoints, a resume must find
+   one and its saved config must agree with the new one on every key its state depends on;
+   the folder must be writable;
+3. the tokenizer, against the pad and stop tokens;
+4. the data: every prompt read, tokenized and checked, ``P`` fixed (the longest prompt when
+   ``max_prompt_len`` is null) and the sequence length checked against the models;
+5. the memory plan: the run must fit the device.
+"""
+
+from typing import Any, NamedTuple, Optional
+
+from omegaconf import DictConfig
+from torchtune import config as tt_config
+
+from torchtune_ppo import checkpointing
+from torchtune_ppo.config.checks import (
+    check_sequence_length,
+    check_world_size,
+    validate_with_tokenizer,
+    warn_unknown_tokens,
+)
+from torchtune_ppo.config.data_files import instantiate_dataset, validate_dataset
+from torchtune_ppo.run.memory import check_plan
+
+
+class Preflight(NamedTuple):
+    """What the checks built on the way, for the run to use.
+
+    Attributes:
+        resume_from (Optional[str]): the checkpoint folder to resume from; None for a fresh run.
+        tokenizer (Any): the instantiated tokenizer.
+        dataset (Any): the instantiated, checked prompt dataset.
+        prompt_len (int): ``P``, the width every prompt is left-padded to.
+    """
+
+    resume_from: Optional[str]
+    tokenizer: Any
+    dataset: Any
+    prompt_len: int
+
+
+def preflight(cfg: DictConfig, *, world_size: int, log) -> Preflight:
+    """Runs every check that needs more than the config (see the module's docstring).
+
+    Args:
+        cfg (DictConfig): the config returned by ``validate_config``.
+        world_size (int): the run's processes.
+        log: where notes go (``log.info``, ``log.warning``).
+
+    Returns:
+        Preflight: the resume point, tokenizer, dataset and ``P``.
+
+    Raises:
+        ValueError, FileExistsError, FileNotFoundError, RuntimeError: naming the key, file or
+            folder at fault and what would be valid.
+    """
+    check_world_size(cfg, world_size)
+    resume_from = checkpointing.checkpoint_to_resume(cfg.output_dir, cfg.resume_from_checkpoint)
+    if resume_from:  # the keys the saved state depends on must match
+        checkpointing.check_resume_config(resume_from, cfg)
+    checkpointing.check_writable(cfg.output_dir)
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    validate_with_tokenizer(cfg, tokenizer)
+    dataset = instantiate_dataset(cfg.dataset, tokenizer)
+    num_long = validate_dataset(dataset, cfg)
+    warn_unknown_tokens(dataset, tokenizer)
+    prompt_len = cfg.max_prompt_len
+    if prompt_len is None:
+        prompt_len = max(len(dataset[i]["tokens"]) for i in range(len(dataset)))
+        check_sequence_length(cfg, prompt_len)
+        log.info(f"max_prompt_len: null, so P = {prompt_len}, the longest prompt.")
+    if num_long:
+        log.info(f"{num_long} of {len(dataset)} prompts are longer than max_prompt_len="
+                 f"{prompt_len}; their last {prompt_len} tokens are kept.")
+    check_plan(cfg, prompt_len, log)
+    return Preflight(resume_from, tokenizer, dataset, prompt_len)

@@ -1,0 +1,101 @@
+"""Where a run is: its counters, its position in the data, value pretraining, and when to save.
+
+:class:`Progress` is the run's books, kept apart from the recipe's PPO decisions. Its state dict
+is what a checkpoint's training state holds of it, so a resume puts the run back at the same
+batch of the same epoch, in the same phase.
+"""
+
+from typing import Any, Dict, Mapping, Optional
+
+from torchtune_ppo.ppo.value_pretrain import ValuePretraining
+
+
+class Progress:
+    """A run's counters and its save rule.
+
+    Steps are numbered value pretraining's first: the run's ``global_step`` (which names logged
+    rows and checkpoints) is pretraining steps plus PPO steps; ``num_ppo_steps`` counts PPO steps.
+
+    Args:
+        num_ppo_steps (int): PPO steps the run trains for.
+        batches_per_epoch (int): batches of prompts in one pass over the dataset.
+        value_pretrain (ValuePretraining): the pretraining phase (``max_steps`` 0: none).
+        save_every_n_steps (Optional[int]): save after every N steps; None: not.
+        save_every_n_epochs (Optional[int]): also save after every N epochs; None: not.
+    """
+
+    def __init__(self, *, num_ppo_steps: int, batches_per_epoch: int, value_pretrain: ValuePretraining,
+                 save_every_n_steps: Optional[int] = None, save_every_n_epochs: Optional[int] = None) -> None:
+        self.num_ppo_steps, self.batches_per_epoch = num_ppo_steps, batches_per_epoch
+        self.value_pretrain = value_pretrain
+        self.save_every_n_steps, self.save_every_n_epochs = save_every_n_steps, save_every_n_epochs
+        self.steps_run = self.epochs_run = 0
+        self.batches_run_in_epoch = 0  # the data position inside the current epoch
+        self.last_saved_step: Optional[int] = None
+
+    @property
+    def pretraining(self) -> bool:
+        """The next step is a value pretraining step."""
+        return self.value_pretrain.active
+
+    @property
+    def global_step(self) -> int:
+        """Steps run, value pretraining's first: names the logged rows and the checkpoints."""
+        return self.value_pretrain.steps_run + self.steps_run
+
+    @property
+    def done(self) -> bool:
+        """Every PPO step has run (and pretraining is over)."""
+        return not self.pretraining and self.steps_run >= self.num_ppo_steps
+
+    @property
+    def unsaved(self) -> bool:
+        """The last step run is not in a checkpoint."""
+        return self.last_saved_step != self.global_step
+
+    def count_step(self, metrics: Dict[str, float], pretraining: bool) -> Optional[str]:
+        """Counts the step just run, and its batch. A PPO step counts in ``steps_run``; a value
+        pretraining step apart, its value loss going to the stopping rule and its metrics into
+        ``metrics``. Returns a note to log when pretraining has just ended, else None."""
+        self.batches_run_in_epoch += 1
+        if not pretraining:
+            self.steps_run += 1
+            if self.value_pretrain.steps_run:  # a run that pretrained: its PPO rows say they are not
+                metrics["value_pretrain"] = 0.0
+            return None
+        self.value_pretrain.record(metrics["value_loss"])
+        metrics.update(self.value_pretrain.metrics())
+        if not self.value_pretrain.done:
+            return None
+        return (f"Value pretraining done after {self.value_pretrain.steps_run} steps (value loss moving "
+                f"average {metrics['value_pretrain/loss_avg']:.4g}, relative change "
+                f"{metrics['value_pretrain/rel_change']:.3g}); PPO starts.")
+
+    def end_epoch(self) -> None:
+        self.epochs_run += 1
+        self.batches_run_in_epoch = 0
+
+    def save_due(self) -> bool:
+        """A checkpoint is due after the step just counted."""
+        step = self.global_step
+        every_n_steps = self.save_every_n_steps and step % self.save_every_n_steps == 0
+        # Saved at an epoch's last batch (not after the loop) so that a resume finds the data
+        # iterator and the random state in the same order as the uninterrupted run.
+        epoch_done = self.batches_run_in_epoch == self.batches_per_epoch
+        every_n_epochs = (self.save_every_n_epochs and epoch_done
+                          and (self.epochs_run + 1) % self.save_every_n_epochs == 0)
+        return bool(every_n_steps or every_n_epochs)
+
+    def saved(self, step: int) -> None:
+        self.last_saved_step = step
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"steps_run": self.steps_run, "epochs_run": self.epochs_run,
+                "batches_run_in_epoch": self.batches_run_in_epoch, "value_pretrain": self.value_pretrain.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores a checkpoint's counters; the run is then saved at its step."""
+        self.steps_run, self.epochs_run = int(state["steps_run"]), int(state["epochs_run"])
+        self.batches_run_in_epoch = int(state["batches_run_in_epoch"])
+        self.value_pretrain.load_state_dict(state.get("value_pretrain"), ppo_steps_run=self.steps_run)
+        self.last_saved_step = self.global_step
