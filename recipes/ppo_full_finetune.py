@@ -28,7 +28,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from torchtune_ppo import checkpointing, compile as compiling, distributed
-from torchtune_ppo.config import check_cli_overrides, cpu_threads, validate_config
+from torchtune_ppo.config import CompileConfig, check_cli_overrides, cpu_threads, validate_config
 from torchtune_ppo.config.preflight import preflight
 from torchtune_ppo.data import prompt_loader
 from torchtune_ppo.models.build import build_models
@@ -103,7 +103,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             value_pretrain=ValuePretraining.from_config(cfg.value_pretrain),
             save_every_n_steps=cfg.save_every_n_steps, save_every_n_epochs=cfg.save_every_n_epochs)
         regions = compiling.regions(cfg.compile, world_size=self._world_size, device=self._device)
-        log.info(f"Compiled regions: {dict(cfg.compile)}")
+        log.info(f"Compiled regions: {CompileConfig(**cfg.compile)}")
         self._models = build_models(cfg, device=self._device, dtype=self._dtype, resume_from=checked.resume_from)
         self._rollout = self._setup_rollout(cfg, regions)
         self._update = self._setup_update(cfg, regions)

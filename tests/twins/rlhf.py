@@ -21,31 +21,13 @@ def response_logprobs(
     return torch.gather(torch.log_softmax(logits, dim=-1), 2, responses.unsqueeze(-1)).squeeze(-1)
 
 
-def ppo_loss(
-    pi_old_logprobs: torch.Tensor,
-    pi_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    phi_old_values: torch.Tensor,
-    phi_values: torch.Tensor,
-    returns: torch.Tensor,
-    masks: torch.Tensor,
-    epsilon: float,
-    value_clip_range: float,
-    value_coeff: float,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Clipped PPO policy loss plus clipped value loss (as ``torchtune.rlhf.loss.PPOLoss``).
-
-    Args:
-        pi_old_logprobs (torch.Tensor): logprobs at trajectory time ``[b, response_len]``.
-        pi_logprobs (torch.Tensor): logprobs of the current policy ``[b, response_len]``.
-        advantages (torch.Tensor): ``[b, response_len]``.
-        phi_old_values (torch.Tensor): values at trajectory time ``[b, response_len]``.
-        phi_values (torch.Tensor): values of the current value model ``[b, response_len]``.
-        returns (torch.Tensor): ``[b, response_len]``.
-        masks (torch.Tensor): bool ``[b, response_len]``, True where valid.
-        epsilon (float): policy ratio clip range.
-        value_clip_range (float): value clip range around the old values.
-        value_coeff (float): weight of the value loss.
+def ppo_loss(pi_old_logprobs: torch.Tensor, pi_logprobs: torch.Tensor, advantages: torch.Tensor,
+             phi_old_values: torch.Tensor, phi_values: torch.Tensor, returns: torch.Tensor, masks: torch.Tensor,
+             epsilon: float, value_clip_range: float, value_coeff: float) -> Tuple[torch.Tensor, ...]:
+    """Clipped PPO policy loss plus clipped value loss (as ``torchtune.rlhf.loss.PPOLoss``): the
+    token losses of :func:`~torchtune_ppo.rlhf.loss.ppo_token_losses` (same arguments, each
+    ``[b, T]``), masked means over ``masks`` (True where valid), the value loss weighted by
+    ``value_coeff``.
 
     Returns:
         Tuple of 0-dim tensors: ``loss`` (with grad), then detached ``policy_loss``,

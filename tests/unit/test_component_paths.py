@@ -1,4 +1,4 @@
-"""Every ``_component_`` path that a shipped config or the README names resolves through
+"""Every ``_component_`` path that a shipped config, the README or a docs page names resolves through
 torchtune's own lookup, with no deprecation warning; the paths that shipped before this
 release still resolve, with a FutureWarning, to the same objects."""
 
@@ -22,7 +22,7 @@ _COMPONENT = re.compile(r"_component_\s*:\s*['\"]?([A-Za-z_][\w.]*)")
 
 def _named_paths():
     found = {}
-    for f in CONFIGS + [ROOT / "README.md"]:
+    for f in CONFIGS + [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")):
         for m in _COMPONENT.finditer(f.read_text()):
             found.setdefault(m.group(1), str(f.relative_to(ROOT)))
     return found

@@ -33,19 +33,10 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
 from torchtune_ppo.checkpointing.store import CONFIG_FNAME, TRAINING_STATE_FNAME
-from torchtune_ppo.config.schema import defaults
+from torchtune_ppo.config.schema import MUST_MATCH, defaults
 
 log = utils.get_logger("INFO")
 
-# Keys (or key prefixes) whose saved value gives the training state its meaning.
-MUST_MATCH = (
-    "batch_size", "ppo_batch_size", "ppo_epochs", "gradient_accumulation_steps",
-    "seed", "shuffle", "dataset", "max_prompt_len", "max_generated_tokens", "long_prompts",
-    "policy_model", "reward_and_value_model", "tokenizer",
-    "optimizer._component_", "optimizer_in_bwd", "lr_scheduler._component_",
-    # whether a value model is trained (and in the optimizer state); responses per optimizer step
-    "advantage_estimator", "num_samples_per_prompt",
-)
 # Never compared: where the run is, and the switch that says it is resuming.
 IGNORED = ("output_dir", "resume_from_checkpoint")
 _MISSING = "<not set>"

@@ -1,14 +1,14 @@
 """The recipe config's schema: every key once, with its type, default and a one-line doc.
 
 ``SCHEMA`` is the one place a key is declared. ``validate_config`` checks each value with its
-``Kind``, ``with_defaults`` fills the defaults from it, and the README's "Config keys" table is
+``Kind``, ``with_defaults`` fills the defaults from it, and the table of docs/config.md is
 ``markdown_table()`` (a test holds them equal). Each kind says in words what it accepts; an
 error reads ``"<key> must be <those words>, got <value>."``.
 """
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -228,6 +228,10 @@ class Key:
     doc: str
     # A torchtune recipe key that may stand in for this one (mapped by the checks).
     torchtune_key: Optional[str] = None
+    # A resume must keep the value the checkpoint was saved with, because its training state
+    # only means something under it (the data position, the random streams, the optimizer and
+    # LR schedule, the models' shapes): True for the whole key, or the sub-keys that must.
+    must_match: Union[bool, Tuple[str, ...]] = False
 
     @property
     def required(self) -> bool:
@@ -298,20 +302,20 @@ SCHEMA: Tuple[Key, ...] = (
         "a torchtune tokenizer builder; its `pad_id` fills the left padding of prompts and the "
         "positions after a stop token. Padding is told by each prompt's length, never by token "
         "value, so a prompt may hold the pad id as a real token (`<unk>` is 0, like the pad id, "
-        "in Llama-2 tokenizers)"),
+        "in Llama-2 tokenizers)", must_match=True),
     Key("dataset", Component(), REQUIRED,
         "a torchtune dataset whose samples have `tokens` (e.g. `text_completion_dataset` with "
-        "`add_eos: False`)"),
+        "`add_eos: False`)", must_match=True),
     Key("policy_model", Component(), REQUIRED,
         "builder of the policy (and the reference policy); a LoRA builder (e.g. `torchtune.models."
         "llama3_2.lora_llama3_2_1b` with `lora_attn_modules`, `apply_lora_to_mlp`, "
         "`apply_lora_to_output`, `lora_rank`, `lora_alpha`) trains adapters only and makes the "
-        "reference the same model with its adapters off; see [LoRA](#lora)"),
+        "reference the same model with its adapters off; see [LoRA](lora.md)", must_match=True),
     Key("reward_and_value_model", Component(optional=True), None,
         "builder of the reward model and the value model (one output); needed with "
         "`reward_checkpointer` or `advantage_estimator: gae`. A LoRA builder (e.g. "
         "`torchtune_ppo.models.lora_llama3_2_1b_classifier`) makes the value model train its adapters "
-        "and head, and the reward model run with its adapters off; see [LoRA](#lora)"),
+        "and head, and the reward model run with its adapters off; see [LoRA](lora.md)", must_match=True),
     Key("checkpointer", Component(), REQUIRED,
         "checkpointer of the trained policy: loads its start weights, saves it"),
     Key("ref_policy_checkpointer", Component(optional=True), None,
@@ -333,10 +337,10 @@ SCHEMA: Tuple[Key, ...] = (
         "a LoRA `reward_and_value_model` whose `value_checkpointer` reads the `reward_checkpointer`'s "
         "files builds one frozen base for both (noted at start): the value model with its adapters "
         "and head, the reward model with the adapters off and the checkpoint's head. Same scores as "
-        "two copies, one base's memory less; false: two copies. See [LoRA](#lora)"),
+        "two copies, one base's memory less; false: two copies. See [LoRA](lora.md)"),
     Key("seed", Int(optional=True), None,
-        "seed of every random draw (data order, sampling); null: torchtune picks one"),
-    Key("shuffle", Bool(), True, "shuffle the prompts each epoch"),
+        "seed of every random draw (data order, sampling); null: torchtune picks one", must_match=True),
+    Key("shuffle", Bool(), True, "shuffle the prompts each epoch", must_match=True),
     Key("device", Device(), "cpu",
         "`cpu`, `cuda`, `cuda:N`, ...; a device this machine lacks is an error (torchtune would "
         "run on the CPU without a word)"),
@@ -351,34 +355,34 @@ SCHEMA: Tuple[Key, ...] = (
         "PPO steps to run; or torchtune's `num_steps`, which counts prompts "
         "(`num_steps // batch_size` PPO steps)", torchtune_key="num_steps"),
     Key("batch_size", Count(), REQUIRED,
-        "prompts per PPO step (each generated `num_samples_per_prompt` times)"),
+        "prompts per PPO step (each generated `num_samples_per_prompt` times)", must_match=True),
     Key("forward_batch_size", Count(), REQUIRED,
         "rows (responses) per generation and scoring call; the KV cache is allocated for this many "
         "rows. Must divide `batch_size * num_samples_per_prompt`"),
-    Key("ppo_epochs", Count(), 1, "passes over each batch of trajectories"),
+    Key("ppo_epochs", Count(), 1, "passes over each batch of trajectories", must_match=True),
     Key("ppo_batch_size", Count(), REQUIRED,
-        "trajectories (responses) per optimizer step. Must divide `batch_size * num_samples_per_prompt`"),
+        "trajectories (responses) per optimizer step. Must divide `batch_size * num_samples_per_prompt`", must_match=True),
     Key("gradient_accumulation_steps", Count(), 1,
-        "micro-batches per optimizer step. Must divide `ppo_batch_size`"),
+        "micro-batches per optimizer step. Must divide `ppo_batch_size`", must_match=True),
     Key("optimizer", Component(), REQUIRED,
-        "torch optimizer builder over the policy and value parameters"),
+        "torch optimizer builder over the policy and value parameters", must_match=("_component_",)),
     Key("optimizer_in_bwd", Bool(), False,
         "one optimizer per parameter, stepped during backward: no full set of gradients is ever "
         "held (how torchtune fits 7B on one GPU). Needs `gradient_accumulation_steps: 1`, no "
-        "`lr_scheduler` and no `clip_grad_norm`"),
+        "`lr_scheduler` and no `clip_grad_norm`", must_match=True),
     Key("lr_scheduler", Component(optional=True), None,
         "a torchtune learning-rate scheduler, e.g. `torchtune.training.lr_schedulers."
         "get_cosine_schedule_with_warmup` with `num_warmup_steps`; the recipe passes the optimizer "
-        "and `num_training_steps` (optimizer steps of the whole run). null: constant lr"),
+        "and `num_training_steps` (optimizer steps of the whole run). null: constant lr", must_match=("_component_",)),
     Key("clip_grad_norm", Number(optional=True, gt=0), None, "max gradient norm, or null for none"),
     Key("max_prompt_len", Count(optional=True), None,
         "`P`: every prompt is left-padded to this width; null: the longest prompt of the dataset "
-        "(read once before any model loads)"),
+        "(read once before any model loads)", must_match=True),
     Key("long_prompts", Choice(options=("truncate", "error")), "truncate",
         "a longer prompt is `truncate`d to its last `P` tokens (counted in the "
-        "`prompts_truncated` metric) or is an `error`"),
+        "`prompts_truncated` metric) or is an `error`", must_match=True),
     Key("max_generated_tokens", Count(), REQUIRED,
-        "`T`: response tokens per prompt. `P + T` must fit the models' `max_seq_len`"),
+        "`T`: response tokens per prompt. `P + T` must fit the models' `max_seq_len`", must_match=True),
     Key("temperature", Number(gt=0, note="for greedy decoding use top_k=1"), 1.0,
         "sampling temperature; logprobs are taken at `temperature` over the full vocabulary"),
     Key("top_k", Int(optional=True, ge=1), None, "sample from the `k` most likely tokens; null: all"),
@@ -419,21 +423,21 @@ SCHEMA: Tuple[Key, ...] = (
         "the first N PPO steps train the value model only (the policy and its optimizer state are "
         "left as they are). `gae` only: the critic-free estimators have no value model"),
     Key("value_pretrain", VALUE_PRETRAIN, VALUE_PRETRAIN.defaults(),
-        "value pretraining (VC-PPO, VAPO): the keys below; see [Value pretraining](#value-pretraining). "
+        "value pretraining (VC-PPO, VAPO): the keys below; see [Value pretraining](algorithms.md#value-pretraining). "
         "`gae` only"),
     Key("advantage_estimator", Choice(options=ADVANTAGE_ESTIMATORS), "gae",
         "`gae` (PPO with a value model), or critic-free, with no value model: `grpo`, `dr_grpo`, "
-        "`rloo`, `reinforce_plus_plus`, `reinforce_plus_plus_baseline`; see [Algorithms](#algorithms)"),
+        "`rloo`, `reinforce_plus_plus`, `reinforce_plus_plus_baseline`; see [Algorithms](algorithms.md)", must_match=True),
     Key("num_samples_per_prompt", Count(), 1,
         "responses generated per prompt (a group). `batch_size` counts prompts, so a step has "
         "`batch_size * num_samples_per_prompt` responses; `forward_batch_size` and `ppo_batch_size` "
         "count responses and must divide that. `grpo`, `dr_grpo`, `rloo` and "
-        "`reinforce_plus_plus_baseline` need at least 2"),
+        "`reinforce_plus_plus_baseline` need at least 2", must_match=True),
     Key("share_group_prefill", Bool(), False,
         "with `num_samples_per_prompt` = n > 1, prefill each prompt once and copy its KV cache "
         "into its n rows, instead of n prefills of the same prompt; `forward_batch_size` (per "
         "process) must then be a multiple of n. Same tokens in distribution (see [Group "
-        "sampling](#group-sampling-and-critic-free-advantage-estimators)); not with "
+        "sampling](group_sampling.md)); not with "
         "`compile.rollout`"),
     # A `_component_` block (torchtune's PPOLoss) keeps its own defaults instead of these.
     Key("loss", LOSS, LOSS.defaults(),
@@ -441,7 +445,7 @@ SCHEMA: Tuple[Key, ...] = (
         "its own defaults)"),
     Key("compile", CompileBlock(), False,
         "`true`/`false`, or `{generate, trajectory, loss_step, rollout, mode}`; see "
-        "[Compiling](#compiling). `mode` is the `torch.compile` mode of the generation regions "
+        "[Compiling](compiling.md). `mode` is the `torch.compile` mode of the generation regions "
         "(`reduce-overhead`: CUDA graphs for the decode step); the other regions use the default mode"),
     Key("enable_activation_checkpointing", Bool(), False,
         "recompute activations of the trained models in backward"),
@@ -449,7 +453,7 @@ SCHEMA: Tuple[Key, ...] = (
         "on several processes: shard the reference policy and reward model with FSDP2 like the "
         "trained models (`1/W` of their weights per device, gathered layer by layer for their "
         "forwards, or whole for compiled scoring) instead of a whole copy on every rank. No "
-        "effect on one process. See [Several processes](#several-processes-torchrun--fsdp2)"),
+        "effect on one process. See [Several processes](distributed.md)"),
     Key("save_every_n_steps", Count(optional=True), None,
         "save a checkpoint every N steps (and always at the end, and on Ctrl-C / SIGTERM); "
         "null: only then"),
@@ -485,6 +489,9 @@ NOTED_KEYS = {
     "enable_kv_cache": "generation always uses a static KV cache here; enable_kv_cache is ignored.",
 }
 LOSS_KEYS = tuple(k.name for k in LOSS.keys)
+# The keys (or dotted sub-keys) a resume must keep as saved (checkpointing.resume_config).
+MUST_MATCH = tuple(k.name if k.must_match is True else f"{k.name}.{sub}"
+                   for k in SCHEMA if k.must_match for sub in ((None,) if k.must_match is True else k.must_match))
 VALUE_PRETRAIN_KEYS = tuple(k.name for k in VALUE_PRETRAIN.keys)
 # Views of SCHEMA under the names the config module exported before it had one.
 REQUIRED_KEYS = tuple(k.name for k in SCHEMA if k.required)
@@ -501,7 +508,7 @@ OPTIONAL_KEYS = defaults()
 
 
 def markdown_table() -> str:
-    """The README's "Config keys" table: one row per key (and per ``loss`` sub-key)."""
+    """The table of ``docs/config.md``: one row per key (and per ``loss`` sub-key)."""
     rows = ["| key | valid values | default | meaning |", "| --- | --- | --- | --- |"]
     for key in SCHEMA:
         rows.append(_row(f"`{key.name}`", key))
@@ -515,7 +522,11 @@ def _row(name: str, key: Key) -> str:
         default = "required" + (f" (or `{key.torchtune_key}`)" if key.torchtune_key else "")
     else:
         default = f"`{_yaml(key.default)}`"
-    cells = [name, key.kind.valid, default, key.doc]
+    doc = key.doc
+    if key.must_match:
+        which = "" if key.must_match is True else f" (its {', '.join(f'`{k}`' for k in key.must_match)})"
+        doc += f"; a resume must keep the saved value{which}"
+    cells = [name, key.kind.valid, default, doc]
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
