@@ -46,7 +46,7 @@ from torchtune_ppo.rollout.generation import Generator
 from torchtune_ppo.run.guards import SkippedSteps, StepInProgress, on_step_failure
 from torchtune_ppo.run.interrupt import resume_command, stop_on_signals
 from torchtune_ppo.run.metrics import PhaseTimer, metric_logger, step_metrics
-from torchtune_ppo.run.optim import InBackwardOptimizer, build_optimizer
+from torchtune_ppo.run.optim import InBackwardOptimizer, MasterWeights, build_optimizer
 from torchtune_ppo.run.progress import Progress
 from torchtune_ppo.run.watch import log_samples, progress, run_summary, sample_rows
 
@@ -112,7 +112,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._checkpoints = checkpointing.CheckpointClient(
             manager, self._models.trained, self._update.optimizer, self._update.lr_scheduler, self._skipped,
             [self._rng], run_config=checkpointing.config_to_save(cfg), kl_controller=self._kl,
-            merge_adapters_at_end=not cfg.save_adapter_weights_only)
+            merge_adapters_at_end=not cfg.save_adapter_weights_only, master_weights=self._master)
         self._step = StepInProgress(self._checkpoints.capture_rng)
         self._profiler = (training.setup_torch_profiler(enabled=False)[0] if cfg.profiler is None
                           else config.instantiate(cfg.profiler)[0])
@@ -147,9 +147,11 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
 
     def _setup_update(self, cfg: DictConfig, regions: compiling.Regions) -> PPOUpdate:
         models, rows = self._models.trained, self._rows_per_step
+        params = [p for m in models.values() for p in m.parameters() if p.requires_grad]  # LoRA: adapters only
+        # bf16: the optimizer steps fp32 copies of the weights, rounded into them after each step
+        self._master = MasterWeights(params) if cfg.dtype == "bf16" and cfg.master_weights else None
         optimizer = (InBackwardOptimizer(cfg.optimizer, models) if cfg.optimizer_in_bwd else
-                     build_optimizer(cfg.optimizer, [p for m in models.values() for p in m.parameters()
-                                                     if p.requires_grad]))  # LoRA: adapters only
+                     build_optimizer(cfg.optimizer, params if self._master is None else self._master.masters))
         lr_scheduler = None
         if cfg.lr_scheduler is not None:  # torchtune's schedulers count optimizer steps
             steps = cfg.num_ppo_steps * num_updates(rows, cfg.ppo_batch_size, cfg.ppo_epochs)
@@ -164,7 +166,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             temperature=float(cfg.temperature), loss=LossSettings.from_config(loss),
             clip_grad_norm=cfg.clip_grad_norm, optimizer_in_bwd=cfg.optimizer_in_bwd,
             critic_warmup_steps=cfg.critic_warmup_steps,  # the first N steps train the value model only
-            fixed_shapes=regions.loss_step_fixed_shapes,
+            fixed_shapes=regions.loss_step_fixed_shapes, master_weights=self._master,
         )
 
     def train_step(

@@ -93,13 +93,17 @@ class CheckpointClient:
             ``load_state_dict``), saved and restored with the rest.
         merge_adapters_at_end (bool): a LoRA model's save with ``final=True`` also writes its
             merged full weights (else only its adapters, as every other save).
+        master_weights (Optional[Any]): fp32 masters of bf16 weights (``state_dict`` /
+            ``load_state_dict``, :class:`~torchtune_ppo.run.optim.MasterWeights`), saved and
+            restored with the rest, so a resume continues from the same fp32 weights.
     """
 
     def __init__(self, manager: CheckpointManager, models: Mapping[str, nn.Module], optimizer: Any,
                  lr_scheduler: Optional[Any], skipped_steps: Any, generators: Sequence[torch.Generator],
                  run_config: Optional[Mapping[str, Any]] = None, kl_controller: Optional[Any] = None,
-                 merge_adapters_at_end: bool = True) -> None:
+                 merge_adapters_at_end: bool = True, master_weights: Optional[Any] = None) -> None:
         self.manager, self.models = manager, dict(models)
+        self.master_weights = master_weights
         self.merge_adapters_at_end = merge_adapters_at_end
         self.kl_controller = kl_controller
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
@@ -128,6 +132,7 @@ class CheckpointClient:
             **({"value_pretrain": dict(progress["value_pretrain"])} if "value_pretrain" in progress else {}),
             "skipped_steps": self.skipped_steps.state_dict(),
             **({} if self.kl_controller is None else {"kl_controller": self.kl_controller.state_dict()}),
+            **({} if self.master_weights is None else {"master_weights": self.master_weights.state_dict()}),
             "rng": dict(rng) if rng is not None else capture_rng_state(self.generators),
         }
         if world > 1:  # resumed on the same number of ranks, each gets its own back
@@ -163,6 +168,11 @@ class CheckpointClient:
         self.skipped_steps.load_state_dict(state["skipped_steps"])
         if self.kl_controller is not None and "kl_controller" in state:  # older checkpoints: the config's
             self.kl_controller.load_state_dict(state["kl_controller"])
+        if self.master_weights is not None:
+            if "master_weights" not in state:
+                raise ValueError(f"{checkpoint} holds no fp32 master weights (saved with master_weights=False or "
+                                 "dtype=fp32): resume it with the settings it was saved with.")
+            self.master_weights.load_state_dict(state["master_weights"])
         rng = state["rng"]
         if world > 1:
             per_rank = state.get("rng_per_rank") or []

@@ -251,6 +251,11 @@ def _check_block_keys(cfg: DictConfig, key: str, valid: Sequence[str]) -> None:
 def _check_optimizer_in_bwd(cfg: DictConfig) -> None:
     if not cfg.optimizer_in_bwd:
         return
+    if cfg.dtype == "bf16" and cfg.master_weights:
+        raise ValueError(
+            "optimizer_in_bwd=True steps each bf16 parameter inside backward, where no fp32 master copy "
+            "is kept: set master_weights=False (AdamW on the bf16 weights) or optimizer_in_bwd=False."
+        )
     if cfg.gradient_accumulation_steps != 1:
         raise ValueError(
             f"optimizer_in_bwd=True steps each parameter during backward, so gradients cannot "
@@ -377,6 +382,10 @@ def check_world_size(cfg: DictConfig, world_size: int) -> None:
         if cfg.optimizer_in_bwd:
             raise ValueError("optimizer_in_bwd=True runs on one process only; set it to False "
                              f"to run on {world_size} processes.")
+        if cfg.dtype == "bf16" and cfg.master_weights:
+            raise ValueError(f"dtype=bf16 with master_weights=True runs on one process only for now (the fp32 "
+                             f"masters are not sharded); set master_weights=False to run bf16 on {world_size} "
+                             "processes, or run on one.")
     if cfg.share_group_prefill:
         rows = cfg.forward_batch_size // world_size
         what = (f"forward_batch_size={cfg.forward_batch_size}" if world_size == 1 else
@@ -612,6 +621,17 @@ def cpu_threads(setting: Any) -> int:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return int(os.environ["OMP_NUM_THREADS"])
     return max(1, cores - 1)
+
+
+def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> Optional[bool]:
+    """Whether this CPU computes bf16 natively (``avx512_bf16`` or ``amx_bf16``): True, False, or
+    None where ``cpuinfo`` cannot be read (not Linux). Without it torch emulates bf16 products,
+    slower than fp32 ones."""
+    try:
+        flags = Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def check_sequence_length(

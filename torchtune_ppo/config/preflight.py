@@ -24,6 +24,7 @@ from torchtune_ppo import checkpointing
 from torchtune_ppo.config.checks import (
     check_sequence_length,
     check_world_size,
+    native_bf16,
     validate_with_tokenizer,
     warn_unknown_tokens,
 )
@@ -63,6 +64,9 @@ def preflight(cfg: DictConfig, *, world_size: int, log) -> Preflight:
             folder at fault and what would be valid.
     """
     check_world_size(cfg, world_size)
+    if cfg.dtype == "bf16" and cfg.device == "cpu" and native_bf16() is False:
+        log.warning("dtype=bf16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): "
+                    "torch emulates its products, so this run is slower than in fp32.")
     resume_from = checkpointing.checkpoint_to_resume(cfg.output_dir, cfg.resume_from_checkpoint)
     if resume_from:  # the keys the saved state depends on must match
         checkpointing.check_resume_config(resume_from, cfg)

@@ -344,7 +344,14 @@ SCHEMA: Tuple[Key, ...] = (
     Key("device", Device(), "cpu",
         "`cpu`, `cuda`, `cuda:N`, ...; a device this machine lacks is an error (torchtune would "
         "run on the CPU without a word)"),
-    Key("dtype", Choice(options=("fp32", "bf16")), "fp32", "dtype of the models"),
+    Key("dtype", Choice(options=("fp32", "bf16")), "fp32",
+        "dtype of the models' weights and compute. On a CPU without native bf16 (no `avx512_bf16` or "
+        "`amx_bf16`) bf16 is emulated and slower than fp32 (said at start-up)", must_match=True),
+    Key("master_weights", Bool(), True,
+        "with `dtype: bf16`: the optimizer steps fp32 copies of the trained weights (its state fp32 too, "
+        "both saved in checkpoints) and rounds them into the bf16 weights after each step. false: AdamW on "
+        "the bf16 weights, as torchtune's bf16 runs, where a step below half a bf16 spacing (2.4e-4 at "
+        "0.05) rounds to nothing. No effect in fp32"),
     # "auto" leaves one core so that one other busy process does not deschedule an OpenMP
     # thread its peers spin-wait for (measured on 2 cores with one busy process: 2 threads
     # 1.16 s a step, 1 thread 0.36 s; quiet: 0.26 s and 0.37 s).

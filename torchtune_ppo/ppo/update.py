@@ -109,6 +109,9 @@ class PPOUpdate:
         fixed_shapes (bool): every micro-step gets the same rows and reads, for a compiled loss
             step that cannot take dynamic sizes (under FSDP: ``regions.loss_step_fixed_shapes``
             of :func:`torchtune_ppo.compile.regions`).
+        master_weights (Optional[MasterWeights]): fp32 masters of bf16 trained parameters, which
+            ``optimizer`` steps (:class:`~torchtune_ppo.run.optim.MasterWeights`): the gradients
+            move to them before clipping, and the stepped masters are rounded back after.
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class PPOUpdate:
         optimizer_in_bwd: bool,
         critic_warmup_steps: int = 0,
         fixed_shapes: bool = False,
+        master_weights=None,
     ) -> None:
         self.policy_model, self.value_model = policy_model, value_model
         self.optimizer, self.lr_scheduler, self.loss_step = optimizer, lr_scheduler, loss_step
@@ -146,6 +150,7 @@ class PPOUpdate:
         self._in_bwd = optimizer_in_bwd
         self.critic_warmup_steps = critic_warmup_steps
         self._fixed_shapes = fixed_shapes
+        self._master = master_weights
         self._packed_tokens = PackedTokens()
 
     def __call__(self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor,
@@ -243,16 +248,24 @@ class PPOUpdate:
         if value_pretrain or step <= self.critic_warmup_steps:  # torch optimizers skip a parameter whose grad is None
             for p in self.policy_model.parameters():
                 p.grad = None
-        params = chain(*(m.parameters() for m in (self.policy_model, self.value_model) if m is not None))
+        if self._master is not None:  # bf16 gradients to the fp32 masters, which are clipped and stepped
+            self._master.take_grads()
+            params = self._master.masters
+        else:
+            params = chain(*(m.parameters() for m in (self.policy_model, self.value_model) if m is not None))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=self._max_norm)
         if isinstance(grad_norm, torch.distributed.tensor.DTensor):  # sharded models: the global norm
             grad_norm = grad_norm.full_tensor()
         applied = self._finite(loss, grad_norm, step)
         if applied:
             self.optimizer.step()
+            if self._master is not None:
+                self._master.write_back()
             if self.lr_scheduler is not None and not value_pretrain:
                 self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self._master is not None:
+            self._master.zero_grad()
         return applied
 
     @staticmethod

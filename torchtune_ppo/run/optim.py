@@ -6,6 +6,9 @@ leaves ``fused``/``foreach`` unset and the device has it.
 
 :class:`InBackwardOptimizer` (``optimizer_in_bwd``): optimizer steps fused into backward.
 
+:class:`MasterWeights` (``dtype: bf16`` with ``master_weights``): the optimizer steps fp32 copies
+of the bf16 trained weights.
+
 One optimizer per parameter, stepped by a post-accumulate-grad hook the moment its gradient
 is ready, then its gradient freed: a full set of gradients never exists at once (how
 torchtune fits a 7B policy and value model on one GPU). torchtune's hooks and its checkpoint
@@ -85,3 +88,59 @@ class InBackwardOptimizer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for name, wrapper in self._wrappers.items():
             wrapper.load_state_dict(state[name])
+
+
+class MasterWeights:
+    """fp32 master copies of bf16 trained parameters, for ``dtype: bf16`` (``master_weights``).
+
+    bf16 keeps 8 significant bits: a weight of 0.05 moves in steps of 2.4e-4, so an AdamW step
+    of about ``lr`` = 1e-5 rounds to nothing (``benchmarks/precision/bf16_updates.py`` measures
+    the share). The optimizer is built over :attr:`masters` instead of the parameters: the
+    forwards and backward run in bf16, :meth:`take_grads` moves each gradient to its master in
+    fp32 (clipping reads the masters' gradients), the optimizer steps the masters and its state
+    is fp32, and :meth:`write_back` rounds each master to its bf16 parameter (round to nearest).
+    The masters are part of the training state (:meth:`state_dict`), so a resume continues from
+    the same fp32 weights.
+
+    Args:
+        params (Iterable[torch.nn.Parameter]): the trained parameters (bf16), in the optimizer's order.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
+        self.params = list(params)
+        self.masters = [p.detach().float().clone() for p in self.params]
+
+    def take_grads(self) -> None:
+        """Each parameter's gradient, in fp32, to its master; the parameter's is freed."""
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Each master rounded into its bf16 parameter."""
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+
+    def zero_grad(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            p.grad = m.grad = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"masters": list(self.masters)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores the masters (and rounds them into the parameters).
+
+        Raises:
+            ValueError: the saved masters do not match the parameters in number or shape.
+        """
+        saved = list(state["masters"])
+        shapes = [tuple(t.shape) for t in saved]
+        if shapes != [tuple(m.shape) for m in self.masters]:
+            raise ValueError(f"the checkpoint's fp32 master weights ({len(saved)} tensors) do not match the "
+                             f"{len(self.masters)} trained parameters of this run.")
+        for m, s in zip(self.masters, saved):
+            m.copy_(s)
+        self.write_back()

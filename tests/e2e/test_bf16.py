@@ -1,0 +1,50 @@
+"""``dtype=bf16`` through ``tune run`` on the tiny task: bf16 weights, fp32 master weights in the
+optimizer and in every checkpoint, and a resume that repeats the uninterrupted run exactly."""
+
+import math
+from pathlib import Path
+
+import torch
+
+from torchtune_ppo.checkpointing.store import load_training_state
+
+from test_recipe import run_recipe
+
+BF16 = ("dtype=bf16", "compile=False", "save_every_n_steps=2")
+
+
+def _step(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step_{step}"
+
+
+def test_bf16_run_keeps_fp32_masters_and_resumes_exactly(tmp_path):
+    straight, rows = run_recipe(tmp_path / "straight", "num_ppo_steps=4", *BF16)
+    assert len(rows) == 4 and all(math.isfinite(r["loss"]) for r in rows)
+    state = load_training_state(_step(tmp_path / "straight", 2))
+    masters = state["master_weights"]["masters"]
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+    # the optimizer's state is the masters': fp32 too
+    exp_avg = [s["exp_avg"] for s in state["optimizer"]["state"].values()]
+    assert exp_avg and all(t.dtype == torch.float32 for t in exp_avg)
+    # the saved bf16 weights are the masters rounded (the policy's first trained parameter)
+    from safetensors.torch import load_file
+
+    weights = load_file(str(next((_step(tmp_path / "straight", 2) / "policy").glob("*.safetensors"))))
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())
+
+    out = tmp_path / "resumed"
+    run_recipe(out, "num_ppo_steps=2", *BF16)
+    _, resumed = run_recipe(out, "num_ppo_steps=4", "resume_from_checkpoint=True", *BF16)
+    assert len(resumed) == 2
+    for a, b in zip(rows[2:], resumed):  # steps 3 and 4, bit for bit
+        for key in ("loss", "policy_loss", "value_loss", "kl", "scores", "ratios"):
+            assert a[key] == b[key], key
+    final_a = load_training_state(_step(tmp_path / "straight", 4))["master_weights"]["masters"]
+    final_b = load_training_state(_step(out, 4))["master_weights"]["masters"]
+    assert all(torch.equal(x, y) for x, y in zip(final_a, final_b))
+
+
+def test_plain_bf16_runs_without_masters(tmp_path):
+    _, rows = run_recipe(tmp_path / "plain", "num_ppo_steps=2", "master_weights=False", *BF16)
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    assert "master_weights" not in load_training_state(_step(tmp_path / "plain", 2))
