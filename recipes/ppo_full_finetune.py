@@ -41,6 +41,7 @@ from torchtune_ppo.ppo.value_pretrain import ValuePretraining
 from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rlhf import ScoringSettings, repeat_prompts
+from torchtune_ppo.rlhf.correction import mismatch_metrics
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rollout.generation import Generator
 from torchtune_ppo.run.guards import SkippedSteps, StepInProgress, on_step_failure
@@ -225,6 +226,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             kl_coeff=self._kl.value,  # the coefficient this step used
             **advantage_metrics(adv),  # explained_variance, lmbda_actor
         )
+        metrics.update(mismatch_metrics(None if result is None else result.mismatch))  # rollout_corr/*
         if self._n > 1:
             metrics.update(group_metrics(trajectory.scores, self._n))
         if adapt_kl:  # kl: the global batch's, on every rank

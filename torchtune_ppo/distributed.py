@@ -49,6 +49,15 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Max of ``x`` over ranks (a new tensor); ``x`` itself with one process."""
+    if world_size() == 1:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
     """``[b, ...]`` per rank -> ``[W * b, ...]``, rank-major; ``x`` with one process."""
     if world_size() == 1:

@@ -44,6 +44,17 @@ def test_bf16_run_keeps_fp32_masters_and_resumes_exactly(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(final_a, final_b))
 
 
+def test_the_rollout_training_mismatch_is_logged_and_grows_in_bf16(tmp_path):
+    """rollout_corr/*: the generator's logprobs against the trainer's at the first minibatch.
+    In fp32 the two forwards agree to rounding; in bf16 they do not."""
+    _, fp32 = run_recipe(tmp_path / "fp32", "num_ppo_steps=1", "compile=False")
+    _, bf16 = run_recipe(tmp_path / "bf16", "num_ppo_steps=1", "compile=False", "dtype=bf16")
+    a, b = fp32[0], bf16[0]
+    assert 0 <= a["rollout_corr/abs_diff_mean"] <= a["rollout_corr/abs_diff_max"] < 1e-4
+    assert b["rollout_corr/abs_diff_mean"] > 10 * a["rollout_corr/abs_diff_mean"]
+    assert b["rollout_corr/abs_diff_max"] >= b["rollout_corr/abs_diff_mean"] > 0 and b["rollout_corr/kl_k3"] > 0
+
+
 def test_plain_bf16_runs_without_masters(tmp_path):
     _, rows = run_recipe(tmp_path / "plain", "num_ppo_steps=2", "master_weights=False", *BF16)
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)

@@ -142,7 +142,7 @@ def test_padded_micro_steps_add_no_loss_no_gradient_no_stats(monkeypatch):
             p.grad = None
         total, stats = 0.0, []
         for step in micro_steps:
-            loss, s = packed_ppo_loss_step(policy, value, *step, **hp)
+            loss, s, _ = packed_ppo_loss_step(policy, value, *step, **hp)
             loss.backward()
             total = total + loss.detach()
             stats.append(s)

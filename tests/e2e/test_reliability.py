@@ -400,10 +400,10 @@ def test_nonfinite_score_loss_and_gradient_skip_only_their_update(tmp_path, prom
     def loss_step_with_nan_gradient(*args, **kwargs):
         step = recipe._progress.steps_run + 1
         calls[step] += 1
-        loss, stats = loss_step(*args, **kwargs)
+        loss, stats, pi_logprobs = loss_step(*args, **kwargs)
         if step == 6 and calls[step] == 1:  # first minibatch of step 6: finite loss, NaN gradients
             loss = _NanGrad.apply(loss)
-        return loss, stats
+        return loss, stats, pi_logprobs
 
     recipe._rollout = rollout_with_nan
     monkeypatch.setattr(ppo_full_finetune, "estimate_advantages", advantages_with_nan)

@@ -52,7 +52,7 @@ def test_loss_step_without_a_value_model_is_the_policy_part(options):
         value.zero_grad(set_to_none=True)
         total, stats = 0.0, []
         for step in steps:
-            loss, s = packed_ppo_loss_step(policy, value_model, *step, value_coeff=value_coeff,
+            loss, s, _ = packed_ppo_loss_step(policy, value_model, *step, value_coeff=value_coeff,
                                            num_micro_batches=len(micro_batches), **HP, **options)
             loss.backward()
             total, stats = total + loss.detach(), stats + [s]

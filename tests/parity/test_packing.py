@@ -105,7 +105,7 @@ def _packed(step_fn, policy, value, traj, advantages, returns, micro_batches, ro
     )
     step_stats, total = [], 0.0
     for step in steps:
-        loss, s = step_fn(policy, value, *step.mark_dynamic(),
+        loss, s, _ = step_fn(policy, value, *step.mark_dynamic(),
                           num_micro_batches=len(micro_batches), **HP, **loss_terms)
         loss.backward()
         step_stats.append(s)
@@ -315,7 +315,7 @@ def test_seq_mean_aggregations_do_not_depend_on_the_micro_batch_split(aggregatio
                                        prompt_len=P, rows=2, num_chunks=CHUNKS, aggregation=aggregation)
         total = 0.0
         for step in steps:
-            loss, _ = packed_ppo_loss_step(policy, value, *step, num_micro_batches=grad_accum, **HP)
+            loss, _, _ = packed_ppo_loss_step(policy, value, *step, num_micro_batches=grad_accum, **HP)
             loss.backward()
             total = total + loss.detach()
         results.append((total, _grads(policy, value)))
@@ -344,7 +344,7 @@ def test_compiled_loss_options_match_eager():
         _zero_grads(policy, value)
         step_stats, total = [], 0.0
         for step in steps:
-            loss, s = step_fn(policy, value, *step.mark_dynamic(), **options)
+            loss, s, _ = step_fn(policy, value, *step.mark_dynamic(), **options)
             loss.backward()
             step_stats.append(s)
             total = total + loss.detach()

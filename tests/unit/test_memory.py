@@ -34,8 +34,20 @@ def test_optimizer_in_bwd_holds_one_gradient_and_bf16_halves():
         _cfg("optimizer_in_bwd=True", "clip_grad_norm=null", "gradient_accumulation_steps=1")
     )
     assert list(bwd.rows.values())[2] < list(base.rows.values())[2] / 10
-    half = memory.memory_plan(_cfg("dtype=bf16"))
+    half = memory.memory_plan(_cfg("dtype=bf16", "master_weights=False"))
     assert list(half.rows.values())[0] == list(base.rows.values())[0] / 2
+    assert list(half.rows.values())[3] == list(base.rows.values())[3] / 2  # bf16 optimizer state
+
+
+def test_bf16_master_weights_keep_fp32_copies_and_fp32_optimizer_state():
+    base = memory.memory_plan(_cfg())
+    plain = memory.memory_plan(_cfg("dtype=bf16", "master_weights=False"))
+    masters = memory.memory_plan(_cfg("dtype=bf16"))
+    trained = sum(p.numel() for p in tiny_policy().parameters()) + sum(p.numel() for p in tiny_reward().parameters())
+    rows = dict(masters.rows)
+    assert rows["fp32 master weights (of the 0.00B trained)"] == trained * 4
+    assert list(rows.values())[3] == list(base.rows.values())[3]  # the fp32 optimizer state of an fp32 run
+    assert masters.total == plain.total + trained * 4 + trained * 2 * 2
 
 
 def test_a_plan_that_cannot_fit_is_refused(monkeypatch):

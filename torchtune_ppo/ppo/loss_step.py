@@ -46,7 +46,7 @@ def packed_ppo_loss_step(
     entropy_coeff: float = 0.0,
     kl_coeff: float = 0.0,
     kl_estimator: str = "k3",
-) -> Tuple[torch.Tensor, rlhf.PPOStats]:
+) -> Tuple[torch.Tensor, rlhf.PPOStats, torch.Tensor]:
     """Forward both trained models on one packed micro-step; return its weighted PPO loss and stats.
 
     The tensor arguments are the fields of :class:`~torchtune_ppo.rlhf.packing.PackedMicroStep`:
@@ -90,8 +90,10 @@ def packed_ppo_loss_step(
         kl_estimator (str): ``k1``, ``k2``, ``k3``, ``k1+`` or ``k3+``.
 
     Returns:
-        Tuple[torch.Tensor, PPOStats]: the loss to call ``backward`` on, and detached stats, each
-        ``[num_micro_batches]``: this micro-step's share of every micro-batch's scaled stat.
+        Tuple[torch.Tensor, PPOStats, torch.Tensor]: the loss to call ``backward`` on; detached
+        stats, each ``[num_micro_batches]``: this micro-step's share of every micro-batch's scaled
+        stat; and the policy's detached logprobs of the reads ``[C, K]`` (the trainer's side of
+        the rollout/training mismatch).
     """
     masks = block_causal_masks(segment_ids)  # [R, L, L]
     h = final_hidden_states(policy_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
@@ -129,4 +131,4 @@ def packed_ppo_loss_step(
     # atomic scatter into a size-1 dimension (grad_accum = 1).
     onehot = torch.nn.functional.one_hot(micro_batch_ids.flatten(), num_micro_batches).to(per_token.dtype)
     per_micro_batch = per_token.flatten(1) @ onehot  # [11, C * K] @ [C * K, G] -> [11, G]
-    return loss, rlhf.PPOStats(*per_micro_batch)
+    return loss, rlhf.PPOStats(*per_micro_batch), pi_logprobs.detach()

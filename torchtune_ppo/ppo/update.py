@@ -9,7 +9,7 @@ process each reduction is the identity.
 """
 
 from itertools import chain
-from typing import Callable, List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torchtune import utils
 from torchtune_ppo import distributed
 from torchtune_ppo import rlhf
 from torchtune_ppo.rlhf import Trajectory, packing
+from torchtune_ppo.rlhf.correction import MismatchStats, mismatch_stats
 from torchtune_ppo.rlhf.packing import PackedTokens
 
 log = utils.get_logger("INFO")
@@ -59,11 +60,15 @@ class UpdateResult(NamedTuple):
             over ranks and scaled by ``1 / gradient_accumulation_steps``.
         skipped_updates (int): minibatch updates dropped for a non-finite loss or gradient norm.
         slots_per_token (float): loss-step token slots per real token (1.0: perfect packing).
+        mismatch (Optional[MismatchStats]): the trainer's logprobs at the step's first
+            minibatch (before any update: the rollout's weights) against the old logprobs it
+            was given, over every rank's valid tokens (:func:`~torchtune_ppo.rlhf.correction.mismatch_stats`).
     """
 
     stats: List[rlhf.PPOStats]
     skipped_updates: int
     slots_per_token: float
+    mismatch: Optional[MismatchStats] = None
 
 
 def num_updates(batch_size: int, ppo_batch_size: int, ppo_epochs: int) -> int:
@@ -177,7 +182,7 @@ class PPOUpdate:
     def _update(self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor,
                 timer: Callable, step: int, value_pretrain: bool) -> UpdateResult:
         self._packed_tokens.reset()
-        stats, skipped = [], 0
+        stats, skipped, mismatch = [], 0, None
         micro_batch_size = self._ppo_batch_size // self.gradient_accumulation_steps
         lengths = packing.sequence_lengths(trajectory, self._prompt_len)  # one host sync
         for _ in range(self.ppo_epochs):
@@ -187,18 +192,19 @@ class PPOUpdate:
                 micro_batches = [minibatch[i : i + micro_batch_size]
                                  for i in range(0, len(minibatch), micro_batch_size)]
                 with timer("loss_step"):
-                    minibatch_stats = self._loss_and_backward(trajectory, advantages, returns,
-                                                              micro_batches, lengths, step)
+                    minibatch_stats, measured = self._loss_and_backward(
+                        trajectory, advantages, returns, micro_batches, lengths, step, measure=mismatch is None)
+                    mismatch = mismatch or measured
                 with timer("optimizer"):
                     if self._optimizer_step(minibatch_stats, step, value_pretrain):
                         stats.extend(minibatch_stats)
                     else:
                         skipped += 1
-        return UpdateResult(stats, skipped, self._packed_tokens.ratio)
+        return UpdateResult(stats, skipped, self._packed_tokens.ratio, mismatch)
 
     def _loss_and_backward(self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor,
                            micro_batches: List[List[int]], lengths: packing.SequenceLengths,
-                           step: int) -> List[rlhf.PPOStats]:
+                           step: int, measure: bool = False) -> Tuple[List[rlhf.PPOStats], Optional[MismatchStats]]:
         """Loss and gradients of one minibatch (trajectory rows in micro-batches), packed;
         returns one :class:`~torchtune_ppo.rlhf.loss.PPOStats` per micro-batch, summed over ranks."""
         valid_totals = num_sequences = None
@@ -217,9 +223,9 @@ class PPOUpdate:
             aggregation=aggregation, num_sequences=num_sequences,
         )
         self._packed_tokens.update(steps, lengths, micro_batches)
-        step_stats, losses = [], []
+        step_stats, losses, gaps = [], [], []
         for micro_step in distributed.pad_micro_steps(steps):  # every rank runs as many
-            loss, stats = self.loss_step(
+            loss, stats, pi_logprobs = self.loss_step(
                 self.policy_model, self.value_model, *(micro_step if fixed else micro_step.mark_dynamic()),
                 temperature=self._temperature, **settings,
                 num_micro_batches=len(micro_batches),
@@ -229,6 +235,8 @@ class PPOUpdate:
             else:
                 loss.backward()
             step_stats.append(stats)
+            if measure:  # the reads of this rank's real tokens (filler reads have no weight)
+                gaps.append(mismatch_stats(pi_logprobs, micro_step.old_logprobs, micro_step.stat_weights > 0))
         minibatch_stats = packing.micro_batch_stats(step_stats)
         if distributed.world_size() > 1:  # every rank takes the same decision on the same sums
             totals = distributed.all_reduce_sum(torch.stack([torch.stack(s) for s in minibatch_stats]))
@@ -237,7 +245,11 @@ class PPOUpdate:
             total = torch.stack(losses).sum()
             if self._finite(total, None, step):
                 total.backward()
-        return minibatch_stats
+        mismatch = None
+        if measure:
+            mismatch = MismatchStats(distributed.all_reduce_sum(torch.stack([g.sums for g in gaps]).sum(0)),
+                                     distributed.all_reduce_max(torch.stack([g.max_abs for g in gaps]).amax()))
+        return minibatch_stats, mismatch
 
     def _optimizer_step(self, minibatch_stats: List[rlhf.PPOStats], step: int, value_pretrain: bool = False) -> bool:
         """Clip, then step; or drop the gradients when the loss or their norm is not finite.

@@ -140,6 +140,9 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     """
     W = world_size
     dtype_bytes = _DTYPE_BYTES[cfg.dtype]
+    # bf16 with master weights: the optimizer steps fp32 copies, and its state is fp32 too
+    masters = cfg.dtype == "bf16" and cfg.master_weights
+    state_bytes = 4 if masters else dtype_bytes
     policy = _meta(cfg.policy_model)
     # None: a critic-free run with a function reward builds no model of this kind
     value = None if cfg.reward_and_value_model is None else _meta(cfg.reward_and_value_model)
@@ -196,9 +199,10 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
         **value_row,
         f"gradients (policy{' adapters' if adapted else ''}{value_grads}{'' if W == 1 else f', 1/{W}'})":
             (biggest if cfg.optimizer_in_bwd else trained / W) * dtype_bytes,
-        f"optimizer state ({optimizer_name or 'AdamW'}, {states:g} per parameter"
+        f"optimizer state ({optimizer_name or 'AdamW'}, {states:g} per parameter{', fp32' if masters else ''}"
         f"{'' if W == 1 else f', 1/{W}'}{'; paged to host memory, not counted' if paged else ''})":
-            0.0 if paged else trained * states * dtype_bytes / W,
+            0.0 if paged else trained * states * state_bytes / W,
+        **({f"fp32 master weights (of the {trained / 1e9:.2f}B trained)": trained * 4 / W} if masters else {}),
         f"KV cache ({cfg.forward_batch_size // W} rows x {seq_len} tokens)":
             _kv_bytes(policy, cfg.forward_batch_size // W, seq_len, dtype_bytes),
         f"activations (micro-step {rows_per_step} packed rows x {seq_len - 1} tokens)":
