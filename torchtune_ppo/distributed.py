@@ -42,19 +42,19 @@ def rank() -> int:
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum of ``x`` over ranks (a new tensor); ``x`` itself with one process."""
-    if world_size() == 1:
-        return x
-    x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
+    return _all_reduce(x, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     """Max of ``x`` over ranks (a new tensor); ``x`` itself with one process."""
+    return _all_reduce(x, dist.ReduceOp.MAX)
+
+
+def _all_reduce(x: torch.Tensor, op) -> torch.Tensor:
     if world_size() == 1:
         return x
     x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    dist.all_reduce(x, op=op)
     return x
 
 
