@@ -1,9 +1,8 @@
 """PPO full fine-tuning of a causal LM against a reward, with compiled hot regions.
 
-Run it with ``tune run ppo_full_finetune --config <config.yaml> [key=value ...]``. To edit it,
-copy this file into your own folder under another name (``my_ppo.py``) and run
-``tune run my_ppo.py --config ...`` there: an installed ``ppo_full_finetune`` would shadow a
-copy of the same name.
+Run it with ``tune run ppo_full_finetune --config <config.yaml> [key=value ...]``. To edit it, copy
+it under another name (``my_ppo.py``) and ``tune run my_ppo.py --config ...``: an installed
+``ppo_full_finetune`` would shadow a copy of the same name.
 
 One PPO step reads as:
 
@@ -82,11 +81,10 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._advantages = AdvantageSettings.from_config(cfg)
         self._n = cfg.num_samples_per_prompt  # each prompt is generated n times (a group)
         self._rows_per_step = cfg.batch_size * self._n  # responses, over every rank
-        self._log_every_n_steps = cfg.log_every_n_steps
-        self._log_samples_every_n_steps = cfg.log_samples_every_n_steps
+        self._log_every_n_steps, self._log_samples_every_n_steps = cfg.log_every_n_steps, cfg.log_samples_every_n_steps
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type == "cuda"
         self._score_history: List[Dict[str, float]] = []  # for the end-of-run summary
-        self._recompiles = compiling.RecompileCounter()
+        self._recompiles = compiling.RecompileCounter()  # graphs compiled after the first step
         self._skipped = SkippedSteps(max_consecutive=cfg.max_consecutive_skipped_steps)
         self._pending_rng_state = None  # restored once the data iterator is back in place
 
@@ -144,7 +142,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         stop_token_ids = torch.tensor(list(cfg.stop_token_ids), device=self._device)
         return Rollout(generator, self._models.ref_policy, self._models.value, reward, stop_token_ids, settings,
                        score=regions.score, fused_rollout=regions.fused_rollout,
-                       whole_scoring_models=regions.whole_scoring_models, reference=self._models.reference)
+                       whole_scoring_models=regions.whole_scoring_models, reference=self._models.reference,
+                       recompute_logprobs=cfg.rollout_correction.mode is not None)  # TIS / MIS
 
     def _setup_update(self, cfg: DictConfig, regions: compiling.Regions) -> PPOUpdate:
         models, rows = self._models.trained, self._rows_per_step
@@ -226,7 +225,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             kl_coeff=self._kl.value,  # the coefficient this step used
             **advantage_metrics(adv),  # explained_variance, lmbda_actor
         )
-        metrics.update(mismatch_metrics(None if result is None else result.mismatch))  # rollout_corr/*
+        # rollout_corr/*: over the recomputed batch with rollout_correction, else at the first minibatch
+        metrics.update(mismatch_metrics(adv.mismatch or (result and result.mismatch)))
         if self._n > 1:
             metrics.update(group_metrics(trajectory.scores, self._n))
         if adapt_kl:  # kl: the global batch's, on every rank

@@ -4,6 +4,7 @@ optimizer and in every checkpoint, and a resume that repeats the uninterrupted r
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from torchtune_ppo.checkpointing.store import load_training_state
@@ -53,6 +54,22 @@ def test_the_rollout_training_mismatch_is_logged_and_grows_in_bf16(tmp_path):
     assert 0 <= a["rollout_corr/abs_diff_mean"] <= a["rollout_corr/abs_diff_max"] < 1e-4
     assert b["rollout_corr/abs_diff_mean"] > 10 * a["rollout_corr/abs_diff_mean"]
     assert b["rollout_corr/abs_diff_max"] >= b["rollout_corr/abs_diff_mean"] > 0 and b["rollout_corr/kl_k3"] > 0
+
+
+def test_rollout_corrections_recompute_the_old_logprobs_and_weight_the_loss(tmp_path):
+    """With rollout_correction the trainer's logprobs are the old ones: in fp32 they are the
+    generator's to rounding, so TIS truncates nothing and weighs ~1; in bf16 a tight MIS
+    threshold masks some tokens."""
+    _, fp32 = run_recipe(tmp_path / "tis", "num_ppo_steps=1", "compile=False", "rollout_correction.mode=tis")
+    row = fp32[0]
+    assert row["rollout_corr/corrected_frac"] == 0.0
+    assert row["rollout_corr/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert row["rollout_corr/abs_diff_max"] < 1e-4
+    _, bf16 = run_recipe(tmp_path / "mis", "num_ppo_steps=1", "compile=False", "dtype=bf16",
+                         "rollout_correction.mode=mis", "rollout_correction.threshold=1.001")
+    row = bf16[0]
+    assert 0.0 < row["rollout_corr/corrected_frac"] < 1.0 and 0.0 < row["rollout_corr/weight_mean"] < 1.0
+    assert math.isfinite(row["loss"])
 
 
 def test_plain_bf16_runs_without_masters(tmp_path):

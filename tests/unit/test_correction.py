@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from torchtune_ppo.rlhf.correction import MismatchStats, mismatch_metrics, mismatch_stats
+from torchtune_ppo.rlhf.correction import MismatchStats, correction_weights, mismatch_metrics, mismatch_stats
 
 
 def test_mismatch_stats_by_hand():
@@ -38,3 +38,73 @@ def test_stats_of_two_halves_add_up_to_the_whole():
     joined = MismatchStats(a.sums + b.sums, torch.maximum(a.max_abs, b.max_abs))
     for key, value in whole.metrics().items():
         assert joined.metrics()[key] == pytest.approx(value), key
+
+
+# --- TIS / MIS ----------------------------------------------------------------------------------
+
+LOG2 = math.log(2.0)
+ROLLOUT = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+# ratios pi_old / mu: row 0 e^1, 1, e^-1; row 1 e^0.5, e^0.5, (invalid)
+TRAIN = torch.tensor([[0.0, -1.0, -2.0], [-0.5, -0.5, 5.0]])
+VALID = torch.tensor([[True, True, True], [True, True, False]])
+
+
+def test_token_tis_truncates_each_ratio_at_c():
+    w = correction_weights(TRAIN, ROLLOUT, VALID, mode="tis", level="token", threshold=2.0)
+    e = math.exp
+    expected = torch.tensor([[2.0, 1.0, e(-1)], [e(0.5), e(0.5), 0.0]])
+    torch.testing.assert_close(w.weights, expected)
+    assert (w.hits, w.units, w.tokens) == (1, 5, 5)  # only e^1 > 2 was truncated
+    assert float(w.weight_sum) == pytest.approx(float(expected.sum()))
+
+
+def test_token_mis_masks_ratios_outside_one_over_c_to_c():
+    w = correction_weights(TRAIN, ROLLOUT, VALID, mode="mis", level="token", threshold=2.0)
+    # e^1 > 2 and e^-1 < 1/2 are masked; e^0.5 = 1.65 and 1 are kept
+    torch.testing.assert_close(w.weights, torch.tensor([[0.0, 1.0, 0.0], [1.0, 1.0, 0.0]]))
+    assert (w.hits, w.units) == (2, 5)
+
+
+def test_sequence_level_uses_the_product_of_a_rows_ratios():
+    # row 0: e^(1 + 0 - 1) = 1; row 1: e^(0.5 + 0.5) = e > 2
+    tis = correction_weights(TRAIN, ROLLOUT, VALID, mode="tis", level="sequence", threshold=2.0)
+    torch.testing.assert_close(tis.weights, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
+    assert (tis.hits, tis.units) == (1, 2)
+    mis = correction_weights(TRAIN, ROLLOUT, VALID, mode="mis", level="sequence", threshold=2.0)
+    torch.testing.assert_close(mis.weights, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+
+
+def test_bad_settings_are_refused():
+    for kw in (dict(mode="is"), dict(mode="tis", level="row"), dict(mode="mis", threshold=1.0)):
+        with pytest.raises(ValueError, match="rollout_correction"):
+            correction_weights(TRAIN, ROLLOUT, VALID, **kw)
+
+
+def test_the_weights_scale_each_tokens_policy_loss_as_the_formula_says():
+    """Advantages times w: the clipped PPO token loss becomes w times itself (w >= 0), the value
+    loss stays; estimate_advantages applies exactly that product."""
+    from torchtune_ppo.ppo.advantages import AdvantageSettings, estimate_advantages, uncorrected_advantages
+    from torchtune_ppo.rlhf import Trajectory, masks_and_positions, ppo_token_losses
+
+    b, t = VALID.shape
+    masks, positions = masks_and_positions(torch.full((b,), 2), 2, t)
+    traj = Trajectory(torch.zeros(b, 2 + t, dtype=torch.long), TRAIN * VALID, TRAIN * VALID, torch.zeros(b, t),
+                      masks, positions, ~VALID, torch.tensor([1.0, -1.0]), VALID.sum(-1),
+                      rollout_logprobs=ROLLOUT * VALID)
+    corr = {"mode": "tis", "level": "token", "threshold": 2.0}
+    plain = uncorrected_advantages(traj, AdvantageSettings(), 0.1)
+    adv = estimate_advantages(traj, AdvantageSettings(rollout_correction=corr), 0.1)
+    w = correction_weights(traj.logprobs, traj.rollout_logprobs, VALID, **corr).weights
+    torch.testing.assert_close(adv.advantages, plain.advantages * w)
+    assert not torch.allclose(adv.advantages, plain.advantages)  # not vacuous
+    new = traj.logprobs + 0.3
+    kw = dict(epsilon=0.2, value_clip_range=0.2)
+    base = ppo_token_losses(traj.logprobs, new, plain.advantages, traj.values, traj.values, plain.returns, **kw)
+    weighted = ppo_token_losses(traj.logprobs, new, adv.advantages, traj.values, traj.values, adv.returns, **kw)
+    torch.testing.assert_close(weighted.policy_losses, base.policy_losses * w)
+    torch.testing.assert_close(weighted.value_losses, base.value_losses)
+    # the trainer's against the rollout's logprobs over every valid token
+    assert adv.mismatch.metrics()["rollout_corr/abs_diff_max"] == pytest.approx(1.0)
+    # off: the same advantages as with no correction at all
+    off = estimate_advantages(traj, AdvantageSettings(rollout_correction={**corr, "mode": None}), 0.1)
+    assert torch.equal(off.advantages, plain.advantages) and off.correction is None

@@ -33,6 +33,7 @@ from torchtune_ppo.config.schema import (
     LOSS_KEYS,
     NOTED_KEYS,
     SCHEMA,
+    ROLLOUT_CORRECTION_KEYS,
     VALUE_PRETRAIN_KEYS,
     _is_int,
     _show,
@@ -219,6 +220,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     cfg = with_defaults(cfg)
     cfg.loss = _loss_with_defaults(cfg.loss)
     _check_block_keys(cfg, "value_pretrain", VALUE_PRETRAIN_KEYS)
+    _check_block_keys(cfg, "rollout_correction", ROLLOUT_CORRECTION_KEYS)
 
     for key in SCHEMA:
         key.kind.check(key.name, cfg[key.name])
@@ -292,6 +294,11 @@ def _check_algorithms(cfg: DictConfig) -> None:
             "(the policy's parameters step inside backward): set critic_warmup_steps=0 or optimizer_in_bwd=False."
         )
     _check_value_pretrain(cfg)
+    if cfg.rollout_correction.mode is not None and cfg.compile.rollout:
+        raise ValueError(
+            f"rollout_correction.mode={cfg.rollout_correction.mode} with compile.rollout=True: the fused region "
+            "takes the generator's logprobs as the old ones. Set compile.rollout=False (compile.generate and "
+            "compile.trajectory compile the same work) or rollout_correction.mode=null.")
     loss_kl = cfg.loss.get("kl_coeff", 0) if isinstance(cfg.loss, Mapping) else 0
     if loss_kl and cfg.kl_coeff:
         _note(f"the KL to the reference policy is both in the reward (kl_coeff={cfg.kl_coeff}) and in the "
@@ -567,6 +574,11 @@ def _check_lora(cfg: DictConfig, models: Dict[str, torch.nn.Module]) -> None:
               "them off and the checkpoint's head (share_reward_value_base=False builds two copies).")
     if "policy_model" not in adapted:
         return
+    if cfg.rollout_correction.mode is not None:
+        raise ValueError(
+            f"rollout_correction.mode={cfg.rollout_correction.mode} with a LoRA policy_model: the old logprobs "
+            "would be recomputed inside the scoring, where the policy's adapters are off (it is the "
+            "reference there). Set rollout_correction.mode=null, or use a plain policy_model builder.")
     ref = cfg.ref_policy_checkpointer
     if ref is not None and _checkpoint_files(ref, "ref_policy_checkpointer") != _checkpoint_files(
             cfg.checkpointer, "checkpointer"):

@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from torchtune_ppo.rlhf import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, KL_LOSS_ESTIMATORS
+from torchtune_ppo.rlhf.correction import CORRECTION_LEVELS, CORRECTION_MODES
 
 COMPILE_REGIONS = ("generate", "trajectory", "loss_step", "rollout")
 COMPILE_KEYS = (*COMPILE_REGIONS, "mode")
@@ -281,6 +282,19 @@ LOSS = Block(
     or_else=" or a `_component_: torchtune.rlhf.loss.PPOLoss` block",
 )
 
+ROLLOUT_CORRECTION = Block(
+    keys=(
+        Key("mode", Choice(options=CORRECTION_MODES, optional=True), None,
+            "correct the policy loss for the rollout's numerics: the trainer recomputes the old logprobs of "
+            "every token (one more policy forward while scoring), and each token's policy loss is weighted by "
+            "`tis` min(pi_old / pi_rollout, threshold), or `mis` 1 where the ratio is within [1 / threshold, "
+            "threshold] and 0 elsewhere; null: off (the generator's logprobs are the old ones)"),
+        Key("level", Choice(options=CORRECTION_LEVELS), "token",
+            "the ratio is each token's (`token`) or its sequence's, the product of its tokens' (`sequence`)"),
+        Key("threshold", Number(gt=1), 2.0, "`C` of `mode`"),
+    ),
+)
+
 VALUE_PRETRAIN = Block(
     keys=(
         Key("max_steps", Int(ge=0), 0,
@@ -432,6 +446,9 @@ SCHEMA: Tuple[Key, ...] = (
     Key("value_pretrain", VALUE_PRETRAIN, VALUE_PRETRAIN.defaults(),
         "value pretraining (VC-PPO, VAPO): the keys below; see [Value pretraining](algorithms.md#value-pretraining). "
         "`gae` only"),
+    Key("rollout_correction", ROLLOUT_CORRECTION, ROLLOUT_CORRECTION.defaults(),
+        "the rollout/training mismatch corrected (TIS, MIS): the keys below; see [Precision](precision.md). "
+        "Not with a LoRA policy (its reference forward has the adapters off)"),
     Key("advantage_estimator", Choice(options=ADVANTAGE_ESTIMATORS), "gae",
         "`gae` (PPO with a value model), or critic-free, with no value model: `grpo`, `dr_grpo`, "
         "`rloo`, `reinforce_plus_plus`, `reinforce_plus_plus_baseline`; see [Algorithms](algorithms.md)", must_match=True),
@@ -500,6 +517,7 @@ LOSS_KEYS = tuple(k.name for k in LOSS.keys)
 MUST_MATCH = tuple(k.name if k.must_match is True else f"{k.name}.{sub}"
                    for k in SCHEMA if k.must_match for sub in ((None,) if k.must_match is True else k.must_match))
 VALUE_PRETRAIN_KEYS = tuple(k.name for k in VALUE_PRETRAIN.keys)
+ROLLOUT_CORRECTION_KEYS = tuple(k.name for k in ROLLOUT_CORRECTION.keys)
 # Views of SCHEMA under the names the config module exported before it had one.
 REQUIRED_KEYS = tuple(k.name for k in SCHEMA if k.required)
 BOOL_KEYS = tuple(k.name for k in SCHEMA if isinstance(k.kind, Bool))

@@ -10,12 +10,13 @@ so a group never spans ranks and its statistics need no communication; whitening
 rank's valid tokens, so the result is the one-process one.
 """
 
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, Mapping, NamedTuple, Optional
 
 import torch
 
 from torchtune_ppo import distributed, rlhf
 from torchtune_ppo.rlhf import GROUP_ESTIMATORS, GROUP_STD_EPS, Trajectory
+from torchtune_ppo.rlhf.correction import CorrectionWeights, MismatchStats, correction_weights, mismatch_stats
 
 
 class AdvantageSettings(NamedTuple):
@@ -32,6 +33,9 @@ class AdvantageSettings(NamedTuple):
         lmbda_actor (Optional[float]): the advantages' own lambda (decoupled GAE); None: ``lmbda``.
         lmbda_length_alpha (Optional[float]): the advantages' lambda per row,
             :func:`~torchtune_ppo.rlhf.rewards.length_adaptive_lmbda`; None: off.
+        rollout_correction (Optional[Mapping]): ``mode`` (None: off), ``level``, ``threshold``:
+            the advantages weighted by :func:`~torchtune_ppo.rlhf.correction.correction_weights`
+            of the trajectory's recomputed against its rollout logprobs.
     """
 
     advantage_estimator: str = "gae"
@@ -42,6 +46,7 @@ class AdvantageSettings(NamedTuple):
     num_samples_per_prompt: int = 1
     lmbda_actor: Optional[float] = None
     lmbda_length_alpha: Optional[float] = None
+    rollout_correction: Optional[Mapping[str, Any]] = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> "AdvantageSettings":
@@ -62,10 +67,29 @@ class Advantages(NamedTuple):
     kl_rewards: torch.Tensor
     lmbda_actor: Optional[torch.Tensor] = None
     explained_variance: Optional[torch.Tensor] = None
+    # with rollout_correction: the weights, and the trainer's against the rollout's logprobs
+    correction: Optional[CorrectionWeights] = None
+    mismatch: Optional[MismatchStats] = None
 
 
 @torch.no_grad()
 def estimate_advantages(trajectory: Trajectory, settings: AdvantageSettings, kl_coeff: float) -> Advantages:
+    """:func:`uncorrected_advantages`, then, with ``settings.rollout_correction``, the
+    advantages weighted for the rollout's numerics (TIS or MIS, see :mod:`torchtune_ppo.rlhf.correction`)."""
+    adv = uncorrected_advantages(trajectory, settings, kl_coeff)
+    corr = settings.rollout_correction
+    if not corr or corr["mode"] is None or trajectory.rollout_logprobs is None:
+        return adv
+    valid = ~trajectory.response_padding_masks
+    weights = correction_weights(trajectory.logprobs, trajectory.rollout_logprobs, valid, mode=corr["mode"],
+                                 level=corr["level"], threshold=float(corr["threshold"]))
+    mismatch = mismatch_stats(trajectory.logprobs, trajectory.rollout_logprobs, valid)
+    reduce = distributed.all_reduce_sum
+    mismatch = MismatchStats(reduce(mismatch.sums), distributed.all_reduce_max(mismatch.max_abs))
+    return adv._replace(advantages=adv.advantages * weights.weights, correction=weights, mismatch=mismatch)
+
+
+def uncorrected_advantages(trajectory: Trajectory, settings: AdvantageSettings, kl_coeff: float) -> Advantages:
     """Rewards ``score - kl_coeff * kl`` per token (:func:`~torchtune_ppo.rlhf.rewards.get_rewards_ppo`),
     then the advantages of ``settings.advantage_estimator``.
 
@@ -130,7 +154,15 @@ def advantage_metrics(adv: Advantages) -> Dict[str, float]:
         lmbda = distributed.all_reduce_sum(lmbda) / distributed.world_size()
     explained = nan if adv.explained_variance is None else adv.explained_variance.float()
     explained, lmbda = torch.stack([explained, lmbda]).tolist()
-    return {"explained_variance": explained, "lmbda_actor": lmbda}
+    metrics = {"explained_variance": explained, "lmbda_actor": lmbda}
+    if adv.correction is not None:  # over every rank's tokens or sequences
+        c = adv.correction
+        hits, units, weight_sum, tokens = distributed.all_reduce_sum(
+            torch.stack([c.hits, c.units, c.weight_sum, c.tokens])).tolist()
+        # the tokens (or sequences) whose weight TIS truncated or MIS masked, and the mean weight
+        metrics["rollout_corr/corrected_frac"] = hits / max(units, 1.0)
+        metrics["rollout_corr/weight_mean"] = weight_sum / max(tokens, 1.0)
+    return metrics
 
 
 def group_metrics(scores: torch.Tensor, n: int) -> Dict[str, float]:

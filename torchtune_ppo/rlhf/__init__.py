@@ -46,12 +46,12 @@ from torchtune_ppo.rlhf.sequence_processing import (
     token_logprobs_and_entropy,
     truncate_after_stop_token,
 )
-from torchtune_ppo.rlhf.trajectory import ScoringSettings, Trajectory, finish_trajectory, truncated
+from torchtune_ppo.rlhf.trajectory import ScoringSettings, Trajectory, concat_trajectories, finish_trajectory, truncated
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "GROUP_ESTIMATORS", "GROUP_STD_EPS", "KL_ESTIMATORS",
     "KL_LOSS_ESTIMATORS", "PPOStats", "ScoringSettings", "TokenLosses", "Trajectory",
-    "block_causal_masks", "chunked_logprobs", "discounted_returns", "entropy_from_logprobs",
+    "block_causal_masks", "chunked_logprobs", "concat_trajectories", "discounted_returns", "entropy_from_logprobs",
     "explained_variance", "finish_trajectory", "gae", "gae_advantages", "get_reward_penalty_mask",
     "get_rewards_ppo", "group_baseline", "kl_estimate", "kl_loss_estimate", "length_adaptive_lmbda",
     "loss_weight", "masked_mean", "masks_and_positions", "ppo_token_losses", "read_logprobs",

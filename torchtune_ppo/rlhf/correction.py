@@ -5,9 +5,12 @@ a time, KV cache, bf16 logits) and the trainer's forward over packed rows do not
 bit, so the sampling distribution ``mu`` (the rollout's) and the trainer's ``pi_old`` differ a
 little, and PPO's ratio starts away from 1. :func:`mismatch_stats` measures that gap at a step's
 first minibatch, where the trainer still has the rollout's weights; the recipe logs it every
-step as ``rollout_corr/*`` (verl's name for the family). Pure functions on tensors.
+step as ``rollout_corr/*`` (verl's name for the family). With ``rollout_correction`` the trainer
+recomputes ``pi_old`` for every token and :func:`correction_weights` weights the policy loss by
+TIS or MIS. Pure functions on tensors.
 """
 
+import math
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -64,3 +67,62 @@ def mismatch_stats(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     k3 = torch.exp(d) - d - 1.0
     sums = torch.stack([valid.sum().float(), d.abs().sum(), k3.sum(), d.sum()])
     return MismatchStats(sums, d.abs().amax() if d.numel() else d.new_zeros(()))
+
+
+# Corrections for sampling from mu rather than pi_old (verl's ``rollout_is``; Yao et al. 2025,
+# "Your efficient RL framework secretly brings you off-policy RL training"):
+# TIS, truncated importance sampling, w = min(pi_old / mu, C); MIS, masked importance sampling,
+# w = 1 where pi_old / mu is within [1 / C, C], else 0.
+CORRECTION_MODES = ("tis", "mis")
+CORRECTION_LEVELS = ("token", "sequence")
+
+
+class CorrectionWeights(NamedTuple):
+    """:func:`correction_weights`' result: ``weights [b, T]`` (0 at invalid tokens); how many
+    tokens or sequences (``units``) had their weight truncated or masked (``hits``); the sum of
+    the weights and the count of valid tokens, 0-dim each, to be added over processes."""
+
+    weights: torch.Tensor
+    hits: torch.Tensor
+    units: torch.Tensor
+    weight_sum: torch.Tensor
+    tokens: torch.Tensor
+
+
+def correction_weights(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, valid: torch.Tensor,
+                       *, mode: str, level: str = "token", threshold: float = 2.0) -> CorrectionWeights:
+    """Per-token weights of the policy loss that correct for sampling from ``mu``.
+
+    At ``level`` ``token`` the ratio ``pi_old / mu`` is each token's; at ``sequence`` it is the
+    row's (the product of its tokens' ratios) and each of its tokens gets the row's weight.
+    Multiplying the advantages by ``w >= 0`` scales each token's clipped policy loss by ``w``
+    (the max of the clipped and unclipped terms commutes with it); the value loss is not weighted.
+
+    Args:
+        train_logprobs (torch.Tensor): ``log pi_old``, the trainer's ``[b, T]``.
+        rollout_logprobs (torch.Tensor): ``log mu``, the generator's ``[b, T]``.
+        valid (torch.Tensor): bool ``[b, T]``, True where a token is valid.
+        mode (str): ``tis`` or ``mis``.
+        level (str): ``token`` or ``sequence``.
+        threshold (float): ``C > 1``.
+
+    Returns:
+        CorrectionWeights: the weights (detached) and their counts.
+    """
+    if mode not in CORRECTION_MODES or level not in CORRECTION_LEVELS or not threshold > 1:
+        raise ValueError(f"rollout_correction: mode must be one of {list(CORRECTION_MODES)}, level one of "
+                         f"{list(CORRECTION_LEVELS)} and threshold > 1; got {mode!r}, {level!r}, {threshold!r}.")
+    log_ratio = (train_logprobs.float() - rollout_logprobs.float()).masked_fill(~valid, 0.0)
+    units = valid
+    if level == "sequence":
+        log_ratio, units = log_ratio.sum(-1, keepdim=True), valid.any(-1, keepdim=True)  # [b, 1]
+    log_c = math.log(threshold)
+    if mode == "tis":
+        hit = log_ratio > log_c
+        weights = torch.exp(log_ratio.clamp(max=log_c))
+    else:
+        hit = log_ratio.abs() > log_c
+        weights = (~hit).float()
+    weights = (weights * valid).detach()  # [b, T]: a sequence's weight on each of its tokens
+    return CorrectionWeights(weights, (hit & units).sum().float(), units.sum().float(), weights.sum(),
+                             valid.sum().float())

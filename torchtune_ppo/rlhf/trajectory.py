@@ -8,7 +8,7 @@ padded one of ``compile.rollout`` (:mod:`torchtune_ppo.rollout.fused`), so the t
 construction.
 """
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,6 +48,8 @@ class Trajectory(NamedTuple):
         response_padding_masks (torch.Tensor): bool ``[b, T]``, True after the first stop token.
         scores (torch.Tensor): reward per row after penalties ``[b]``.
         seq_lens (torch.Tensor): valid response tokens per row, stop token included ``[b]``.
+        rollout_logprobs (Optional[torch.Tensor]): the generator's logprobs ``[b, T]`` (0 where
+            invalid) when ``logprobs`` were recomputed by the trainer; None: they are ``logprobs``.
     """
 
     query_responses: torch.Tensor
@@ -59,6 +61,12 @@ class Trajectory(NamedTuple):
     response_padding_masks: torch.Tensor
     scores: torch.Tensor
     seq_lens: torch.Tensor
+    rollout_logprobs: Optional[torch.Tensor] = None
+
+
+def concat_trajectories(chunks: Sequence[Trajectory]) -> Trajectory:
+    """The chunks' rows, in order, as one :class:`Trajectory` (None fields stay None)."""
+    return Trajectory(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*chunks)))
 
 
 def truncated(

@@ -27,7 +27,7 @@ from torch import nn
 from torchtune_ppo import distributed
 from torchtune_ppo.rewards.functions import FunctionReward
 from torchtune_ppo.rewards.model import ModelReward
-from torchtune_ppo.rlhf import ScoringSettings, Trajectory, truncate_after_stop_token
+from torchtune_ppo.rlhf import ScoringSettings, Trajectory, concat_trajectories, truncate_after_stop_token
 from torchtune_ppo.rlhf.packing import logprob_chunks
 from torchtune_ppo.rollout.generation import Generator
 from torchtune_ppo.rollout.scoring import PackedScoring, packed_score_trajectory, plan_scoring
@@ -56,6 +56,10 @@ class Rollout:
             make ``ref_policy_model`` the reference: for a LoRA policy that is the policy itself
             and this switches its adapters off (:func:`torchtune_ppo.lora.adapters_off`).
             Outside any compiled region, so each region always sees the adapters one way.
+        recompute_logprobs (bool): the scoring also runs the policy's forward, and its logprobs
+            of the sampled tokens are the trajectory's ``logprobs`` (PPO's old ones); the
+            generator's go to ``rollout_logprobs`` (``rollout_correction``). Not with a LoRA
+            policy's ``reference`` (the scoring runs with its adapters off) or ``fused_rollout``.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class Rollout:
         fused_rollout: Optional[Callable] = None,
         whole_scoring_models: bool = False,
         reference: Optional[Callable[[], ContextManager]] = None,
+        recompute_logprobs: bool = False,
     ) -> None:
         if not isinstance(reward, (ModelReward, FunctionReward)):
             raise TypeError(f"Rollout: reward must be a ModelReward or a FunctionReward, got {type(reward).__name__}.")
@@ -85,9 +90,14 @@ class Rollout:
             raise ValueError("compile.rollout traces generation (adapters on) and the reference "
                              "(adapters off) into one region; with a LoRA policy use compile.generate "
                              "and compile.trajectory instead.")
+        if recompute_logprobs and (reference is not None or self._fused is not None):
+            raise ValueError("recompute_logprobs: the policy's forward would run inside the scoring with a LoRA "
+                             "policy's adapters off, or not at all in the fused region.")
+        self.recompute_logprobs = recompute_logprobs
         self._reference = reference or contextlib.nullcontext
         self._compiled_scoring = whole_scoring_models
-        self._scoring_models = [m for m in (ref_policy_model, value_model, self._reward_model) if m is not None]
+        scoring = (ref_policy_model, value_model, self._reward_model, generator.model if recompute_logprobs else None)
+        self._scoring_models = [m for m in scoring if m is not None]
         self._num_chunks = logprob_chunks(generator.batch_size * generator.max_generated_tokens)
 
     @property
@@ -127,7 +137,7 @@ class Rollout:
                 trajectories = [self._score_chunk(out.query_responses, lens, out.logprobs, chunk_scores, plan)
                                 for out, (_, lens), chunk_scores, plan in zip(outputs, chunks, scores, plans)]
         distributed.reshard(*self._scoring_models)  # what eager scoring's forwards left gathered
-        return Trajectory(*map(torch.cat, zip(*trajectories)))
+        return concat_trajectories(trajectories)
 
     def _valid_counts(self, query_responses: torch.Tensor) -> torch.Tensor:
         """Valid response tokens per row ``[b]``, stop token included."""
@@ -152,11 +162,19 @@ class Rollout:
     def _score_chunk(self, query_responses: torch.Tensor, prompt_lens: torch.Tensor,
                      logprobs: torch.Tensor, scores: Optional[torch.Tensor], plan: PackedScoring) -> Trajectory:
         """Scores one chunk packed along ``plan``: the reward model in the graph, or given scores."""
-        return self._score(
-            query_responses, prompt_lens.to(query_responses.device), logprobs, None,
+        if not self.recompute_logprobs:
+            return self._score(
+                query_responses, prompt_lens.to(query_responses.device), logprobs, None,
+                self.ref_policy_model, self.value_model, self._reward_model, self.stop_token_ids,
+                plan, self.settings, scores=scores,
+            )
+        # the trainer's own logprobs of the sampled tokens become the old ones; the generator's stay beside
+        trajectory = self._score(
+            query_responses, prompt_lens.to(query_responses.device), None, self.generator.model,
             self.ref_policy_model, self.value_model, self._reward_model, self.stop_token_ids,
             plan, self.settings, scores=scores,
         )
+        return trajectory._replace(rollout_logprobs=logprobs.float() * ~trajectory.response_padding_masks)
 
     def _plans(self, outputs, prompt_lens: List[torch.Tensor]) -> List[PackedScoring]:
         """Each chunk's packing, from its prompt lengths and valid response lengths (one sync)."""
