@@ -72,6 +72,20 @@ def test_rollout_corrections_recompute_the_old_logprobs_and_weight_the_loss(tmp_
     assert math.isfinite(row["loss"])
 
 
+def test_bf16_compiled_equals_eager_without_recompiles(tmp_path, monkeypatch):
+    """Every region compiled in bf16, traced by dynamo on its eager backend (the guards, and so
+    the recompiles, are inductor's; the kernels are eager's, so the numbers are comparable
+    exactly): 0 recompiles after step 1 and the eager run's metrics."""
+    _, eager = run_recipe(tmp_path / "eager", "num_ppo_steps=3", *BF16)
+    monkeypatch.setenv("TORCHTUNE_PPO_COMPILE_BACKEND", "eager")
+    _, compiled = run_recipe(tmp_path / "compiled", "num_ppo_steps=3", "dtype=bf16", "compile=True")
+    assert [r["recompiles"] for r in compiled] == [0.0, 0.0, 0.0]
+    for a, b in zip(eager, compiled):
+        for key in ("scores", "response_lengths", "loss", "policy_loss", "value_loss", "kl",
+                    "rollout_corr/abs_diff_max"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+
+
 def test_plain_bf16_runs_without_masters(tmp_path):
     _, rows = run_recipe(tmp_path / "plain", "num_ppo_steps=2", "master_weights=False", *BF16)
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
