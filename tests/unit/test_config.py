@@ -477,3 +477,20 @@ def test_cpu_threads_auto_leaves_a_core_free(monkeypatch):
     assert cpu_threads("auto") == 3 and cpu_threads(2) == 2  # the environment wins over auto only
     with pytest.raises(ValueError, match="cpu_threads must be 'auto' or a positive integer, got 0"):
         validate_config(_cfg(cpu_threads=0))
+
+
+def test_bf16_master_weights_only_where_they_are_kept():
+    """On one process without optimizer_in_bwd bf16 keeps fp32 masters; with optimizer_in_bwd (as in
+    torchtune's own bf16 configs) and on several processes the bf16 weights are trained directly."""
+    from torchtune_ppo.config import check_world_size
+
+    assert validate_config(_cfg(dtype="bf16")).master_weights is True
+    bwd = validate_config(_cfg(dtype="bf16", optimizer_in_bwd=True, gradient_accumulation_steps=1,
+                               clip_grad_norm="null"))
+    assert bwd.master_weights is False
+    two = validate_config(_cfg(dtype="bf16"))
+    check_world_size(two, 2)
+    assert two.master_weights is False
+    fp32 = validate_config(_cfg())
+    check_world_size(fp32, 2)
+    assert fp32.master_weights is True  # no effect in fp32, left as given

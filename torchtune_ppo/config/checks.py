@@ -253,11 +253,10 @@ def _check_block_keys(cfg: DictConfig, key: str, valid: Sequence[str]) -> None:
 def _check_optimizer_in_bwd(cfg: DictConfig) -> None:
     if not cfg.optimizer_in_bwd:
         return
-    if cfg.dtype == "bf16" and cfg.master_weights:
-        raise ValueError(
-            "optimizer_in_bwd=True steps each bf16 parameter inside backward, where no fp32 master copy "
-            "is kept: set master_weights=False (AdamW on the bf16 weights) or optimizer_in_bwd=False."
-        )
+    if cfg.dtype == "bf16" and cfg.master_weights:  # torchtune's bf16 configs: they run as there
+        _note("optimizer_in_bwd=True steps each bf16 weight inside backward, where no fp32 master copy is "
+              "kept: this run trains the bf16 weights directly (master_weights=False).")
+        cfg.master_weights = False
     if cfg.gradient_accumulation_steps != 1:
         raise ValueError(
             f"optimizer_in_bwd=True steps each parameter during backward, so gradients cannot "
@@ -390,9 +389,9 @@ def check_world_size(cfg: DictConfig, world_size: int) -> None:
             raise ValueError("optimizer_in_bwd=True runs on one process only; set it to False "
                              f"to run on {world_size} processes.")
         if cfg.dtype == "bf16" and cfg.master_weights:
-            raise ValueError(f"dtype=bf16 with master_weights=True runs on one process only for now (the fp32 "
-                             f"masters are not sharded); set master_weights=False to run bf16 on {world_size} "
-                             "processes, or run on one.")
+            _note(f"dtype=bf16 on {world_size} processes: the fp32 master weights are not sharded yet, so this "
+                  "run trains the bf16 weights directly (master_weights=False).")
+            cfg.master_weights = False
     if cfg.share_group_prefill:
         rows = cfg.forward_batch_size // world_size
         what = (f"forward_batch_size={cfg.forward_batch_size}" if world_size == 1 else
