@@ -49,7 +49,7 @@ class Trajectory(NamedTuple):
         scores (torch.Tensor): reward per row after penalties ``[b]``.
         seq_lens (torch.Tensor): valid response tokens per row, stop token included ``[b]``.
         rollout_logprobs (Optional[torch.Tensor]): the generator's logprobs ``[b, T]`` (0 where
-            invalid) when ``logprobs`` were recomputed by the trainer; None: they are ``logprobs``.
+            invalid): ``logprobs`` itself unless the trainer recomputed those.
     """
 
     query_responses: torch.Tensor
@@ -115,9 +115,10 @@ def finish_trajectory(
         settings.min_response_length,
     )
     scores = torch.where(penalty, torch.full_like(scores, settings.reward_penalty), scores)
+    logprobs = logprobs.float() * valid
     return Trajectory(
         query_responses=query_responses,
-        logprobs=logprobs.float() * valid,
+        logprobs=logprobs,
         ref_logprobs=ref_logprobs * valid,
         values=values * valid,
         masks=masks,
@@ -125,5 +126,6 @@ def finish_trajectory(
         response_padding_masks=response_padding_masks,
         scores=scores,
         seq_lens=seq_lens,
+        rollout_logprobs=logprobs,  # the same tensor, until the trainer recomputes ``logprobs``
     )
 
