@@ -154,8 +154,12 @@ def call_reward_fn(
 ) -> List[float]:
     """Call ``fn`` on a batch and return its checked scores, one float per row.
 
-    When ``fn`` raises, it is called again on each row alone to find the first row that fails,
-    so the error can show that row. This reruns the function only on the error path.
+    When ``fn`` raises, it is called again on its first row alone, then on halves of the
+    failing rows (the first half first) down to one row, to find the first row that fails
+    alone, so the error can show that row: at most ``1 + 2 * ceil(log2(b))`` more calls, only
+    on the error path. A function that
+    fails only on several rows together (its batch size, say) is reported as such, with the
+    smallest failing run of rows found, instead of being retried once per row.
 
     Raises:
         RewardFunctionError: naming ``fn``, the row and the exception or offending value. An
@@ -178,12 +182,39 @@ def call_reward_fn(
 
 
 def _failing_row(fn, prompts, responses, args) -> str:
-    for i in range(len(prompts)):
+    """Where a batch that raised fails: the first row that raises alone, found by halving.
+
+    The first row is tried alone first (a function that fails on every row costs one call).
+    Then ``[lo, hi)`` is always a run of rows seen to raise; of its two halves the first that
+    raises is kept. One row left: that row raises alone. Both halves pass: the rows raise
+    only together, and the search stops there.
+    """
+    n = len(prompts)
+
+    def raises(lo: int, hi: int) -> bool:
         try:
-            fn([prompts[i]], [responses[i]], **{k: [v[i]] for k, v in args.items()})
+            fn(list(prompts[lo:hi]), list(responses[lo:hi]), **{k: v[lo:hi] for k, v in args.items()})
         except Exception:
-            return f"at row {i} (prompt {_quote(prompts[i])}, response {_quote(responses[i])})"
-    return f"on a batch of {len(prompts)} rows (no row raises when scored alone)"
+            return True
+        return False
+
+    if n == 0:
+        return "on an empty batch"
+    lo, hi = 0, 1 if raises(0, 1) else n  # a function that fails on every row: 1 call
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if raises(lo, mid):
+            hi = mid
+        elif raises(mid, hi):
+            lo = mid
+        elif hi - lo == n == 2:
+            return f"on a batch of {n} rows (no row raises when scored alone)"
+        else:
+            rows = f"rows {lo} and {hi - 1}" if hi - lo == 2 else f"rows {lo} to {hi - 1}"
+            alone = "neither alone" if hi - lo == 2 else "neither half of them alone"
+            return (f"on a batch of {n} rows ({rows} raise together, {alone}: the failure depends on "
+                    "the batch, not on one row)")
+    return f"at row {lo} (prompt {_quote(prompts[lo])}, response {_quote(responses[lo])})"
 
 
 # --------------------------------------------------------------------------- FunctionReward
