@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import sys
 from importlib import resources
@@ -183,37 +184,62 @@ def _ls(args: argparse.Namespace) -> None:
           f"Copy one:  tune-ppo cp {first} .   (the recipe too: tune-ppo cp {RECIPE} .)")
 
 
+def _with_suffix(dest: Path, suffixes: Sequence[str]) -> Path:
+    """``dest`` as given when its name ends with one of ``suffixes``, else with the first one
+    added: a dot elsewhere in the name (``exp.lr3e-4``) is part of the name, not an extension."""
+    return dest if dest.name.endswith(tuple(suffixes)) else dest.with_name(dest.name + suffixes[0])
+
+
 def _cp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     dest = Path(args.destination)
     into_folder = dest.is_dir() or args.destination.endswith(("/", os.sep))
     if args.name.removesuffix(".py") == RECIPE:
-        src, suffix = recipe_file(), ".py"
-        if into_folder:
-            dest = dest / RECIPE_COPY
-        if dest.with_suffix(suffix).name == RECIPE + suffix:
+        src = recipe_file()
+        dest = dest / RECIPE_COPY if into_folder else _with_suffix(dest, (".py",))
+        if dest.name == RECIPE + ".py":
             parser.error(f"a copy named {RECIPE}.py would not run: `tune run` appends the current "
                          f"folder to the end of sys.path, so the installed {RECIPE} module "
                          f"shadows it. Give it another name, e.g. {RECIPE_COPY}.")
-        run = f"tune run {dest.with_suffix(suffix)} --config <config>"
+        if "." in dest.name[: -len(".py")]:
+            parser.error(f"a copy named {dest.name} would not run: `tune run` imports a recipe "
+                         f"file as a module, and a dot in its name reads as a package. Give it a "
+                         f"name without dots before .py, e.g. {dest.name[:-3].replace('.', '_')}.py.")
+        run = f"tune run {shlex.quote(str(dest))} --config <config>"
     else:
         entry = shipped_configs().get(_name(args.name))
         if entry is None:
             parser.error(f"{args.name!r} is neither the recipe ({RECIPE}) nor a shipped config. "
                          f"Shipped configs: {', '.join(shipped_configs())}.")
-        src, suffix = entry, SUFFIX
-        if into_folder:
-            dest = dest / entry.name
-        run = f"tune run {RECIPE} --config {dest.with_suffix(suffix)}"
-    if dest.suffix != suffix:
-        dest = dest.with_suffix(suffix)
-    if args.no_clobber and dest.exists():
-        print(f"File already exists at {dest.absolute()}, not overwriting.")
-        return
-    if args.make_parents:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-    elif not dest.parent.is_dir():
-        parser.error(f"cannot create {dest}: no folder {dest.parent} (--make-parents creates it)")
-    dest.write_bytes(src.read_bytes())
+        src = entry
+        dest = dest / entry.name if into_folder else _with_suffix(dest, (SUFFIX, ".yml"))
+        run = f"tune run {RECIPE} --config {shlex.quote(str(dest))}"
+    if dest.is_dir():
+        raise SystemExit(f"error: cannot copy to {dest.absolute()}: it is a folder; give another "
+                         "destination")
+    exists = (f"error: {dest.absolute()} already exists; give --force to overwrite it, or "
+              "another destination")
+    if dest.exists() and not args.force:
+        if args.no_clobber:
+            print(f"File already exists at {dest.absolute()}, not overwriting.")
+            return
+        raise SystemExit(exists)
+    try:
+        if args.make_parents:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+        out = open(dest, "wb" if args.force else "xb")  # "x": never a file made meanwhile
+    except FileExistsError as error:
+        if error.filename != str(dest):
+            raise SystemExit(f"error: cannot create the folder {dest.parent.absolute()}: "
+                             f"{Path(error.filename).absolute()} is a file") from None
+        raise SystemExit(exists) from None
+    except OSError as error:
+        missing = not dest.parent.is_dir()
+        hint = (f" (no folder {dest.parent.absolute()}; --make-parents creates it)"
+                if missing and not args.make_parents else "")
+        raise SystemExit(f"error: cannot copy to {dest.absolute()}: "
+                         f"{error.strerror or error}{hint}") from None
+    with out:
+        out.write(src.read_bytes())
     print(f"Copied file to {dest}\nRun it with: {run}")
 
 
@@ -246,8 +272,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     cp.add_argument("name", help=f"a config name from `tune-ppo ls` ({SUFFIX} optional) or {RECIPE}")
     cp.add_argument("destination", nargs="?", default=".",
                     help="file or folder to copy to (default: the current folder)")
-    cp.add_argument("-n", "--no-clobber", action="store_true",
-                    help="do not overwrite an existing file")
+    clobber = cp.add_mutually_exclusive_group()
+    clobber.add_argument("-n", "--no-clobber", action="store_true",
+                         help="leave an existing file as it is and exit 0 (without -n or -f an "
+                              "existing file is an error)")
+    clobber.add_argument("-f", "--force", action="store_true",
+                         help="overwrite an existing file")
     cp.add_argument("--make-parents", action="store_true",
                     help="create the destination's parent folders if they do not exist")
     args = parser.parse_args(argv)
