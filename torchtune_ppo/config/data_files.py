@@ -36,12 +36,17 @@ def instantiate_dataset(cfg_dataset: DictConfig, tokenizer: Any) -> Any:
 
     Raises:
         ValueError: naming the file and the position of a parse error (line and column for
-            JSON, or what the underlying error says), or naming a missing column and the
-            columns that exist.
+            JSON, or what the underlying error says), naming a file that holds no rows (empty,
+            ``[]``, a CSV header alone) and the format expected, or naming a missing column
+            and the columns that exist.
     """
     try:
         dataset = tt_config.instantiate(cfg_dataset, tokenizer=tokenizer)
     except Exception as e:
+        # An empty file stops `datasets` with a bare StopIteration, `[]` with "... corresponds
+        # to no data!", an empty CSV with pandas' EmptyDataError: none names the file.
+        if _is_no_data_error(e) or _files_without_rows(cfg_dataset):
+            raise ValueError(_no_rows_message(cfg_dataset)) from e
         if not _is_data_error(e):
             raise
         files = _data_files(cfg_dataset)
@@ -128,6 +133,91 @@ def _is_data_error(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def _is_no_data_error(error: BaseException) -> bool:
+    """Whether ``datasets`` failed because the data holds no rows.
+
+    An empty JSON file stops its reader with a bare ``StopIteration``; a JSON file holding
+    ``[]`` (or a CSV header alone) with ``Instruction "train" corresponds to no data!``.
+    """
+    seen = error
+    while seen is not None:
+        if isinstance(seen, StopIteration) or "corresponds to no data" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _no_rows_message(cfg_dataset: DictConfig) -> str:
+    """What to say when the data holds no rows: the file(s) that hold none, and the format."""
+    empty = _files_without_rows(cfg_dataset)
+    if empty:
+        path, why = empty[0]
+        return (f"dataset.data_files: {str(path)!r} holds no rows ({why}). "
+                f"{_expected_format(path, cfg_dataset.get('source'), cfg_dataset.get('field'))}")
+    named = [str(p) for p in _data_files(cfg_dataset)] or cfg_dataset.get("data_files") or cfg_dataset.get("source")
+    split = cfg_dataset.get("split", "train")
+    return (f"dataset: {named!r} holds no rows for split {split!r}. Check the data files, "
+            "dataset.split and dataset.field; each row is one prompt.")
+
+
+def _files_without_rows(cfg_dataset: DictConfig) -> List[Tuple[Path, str]]:
+    """The local data files that hold no rows, each with how (read only on an error path)."""
+    field = cfg_dataset.get("field")
+    return [(path, why) for path in _data_files(cfg_dataset) for why in [_why_no_rows(path, field)]
+            if why is not None]
+
+
+def _why_no_rows(path: Path, field: Any) -> Optional[str]:
+    """How a local data file holds no rows (``"the file is empty"``, ...), or None if it holds
+    some or cannot tell."""
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            return "a parquet file of 0 rows" if pq.ParquetFile(path).metadata.num_rows == 0 else None
+        except Exception:  # noqa: BLE001 - not readable as parquet: its own error says why
+            return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        return "the file is empty" if not text else "only whitespace"
+    if path.suffix in (".csv", ".tsv"):
+        return "only a header line" if len(lines) == 1 else None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None  # JSON Lines with a line in it, or not JSON: rows, or another error
+    if isinstance(value, dict) and isinstance(field, str):
+        inner = value.get(field)
+        if inner is None:
+            return f"no field {field!r} (dataset.field); its fields are {sorted(value)}"
+        return f"an empty list under its field {field!r}, dataset.field" if inner == [] else None
+    if value == []:
+        return "an empty JSON list, []"
+    if value == {}:
+        return "an empty JSON object, {}"
+    return None
+
+
+def _expected_format(path: Path, source: Any, field: Any) -> str:
+    kind = path.suffix.lstrip(".") or str(source)
+    if kind in ("csv", "tsv"):
+        return "A CSV data file holds a header line naming the columns, then one line per prompt."
+    if kind == "parquet":
+        return "A parquet data file holds one row per prompt."
+    if kind in ("json", "jsonl"):
+        rows = '[{"prompt": "..."}, ...]'
+        if isinstance(field, str):
+            return (f"A JSON data file holds a list of objects, one per prompt, under dataset.field "
+                    f"({{{field!r}: {rows}}}).").replace("'", '"')
+        return (f"A JSON data file holds a list of objects, one per prompt ({rows}), or one object "
+                "per line (JSON Lines).")
+    return "Each row of the data is one prompt."
 
 
 def _root_cause(error: BaseException) -> BaseException:
