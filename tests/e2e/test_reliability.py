@@ -594,13 +594,15 @@ def _wait_for_steps(out, n, proc):
     pytest.fail(f"no step {n} logged in {out / 'logs'}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_signal_finishes_the_step_saves_and_resumes(tmp_path, prompts, sig):
     out = tmp_path / "run"
     cmd = _cmd(out, prompts, "num_ppo_steps=200", "save_every_n_steps=1000")
     stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
     with open(stdout, "w") as so, open(stderr, "w") as se:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=so, stderr=se)
+        # SIGHUP as a closed terminal sends it, not ignored as under a `nohup` test run.
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=so, stderr=se,
+                                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
         try:
             _wait_for_steps(out, 3, proc)
             proc.send_signal(sig)

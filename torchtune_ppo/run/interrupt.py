@@ -1,4 +1,8 @@
-"""Turning SIGINT and SIGTERM into "finish this step, save, and stop"."""
+"""Turning SIGINT, SIGTERM and SIGHUP into "finish this step, save, and stop".
+
+SIGHUP is what a run gets when its terminal closes or its ssh connection drops; it is treated as
+SIGTERM. A run started with SIGHUP ignored (``nohup``) keeps ignoring it.
+"""
 
 import contextlib
 import shlex
@@ -11,7 +15,8 @@ log = utils.get_logger("INFO")
 
 
 class StopRequest:
-    """Set by the first SIGINT or SIGTERM; a second one stops at once (the default handler)."""
+    """Set by the first SIGINT, SIGTERM or SIGHUP; a second one stops at once (the default
+    handler)."""
 
     def __init__(self) -> None:
         self.signum: Optional[int] = None
@@ -35,17 +40,26 @@ class StopRequest:
                     "saving a checkpoint. Send it again to stop at once without saving.")
 
 
+# SIGHUP: a closed terminal or a dropped ssh connection (none on Windows).
+SIGHUP = getattr(signal, "SIGHUP", None)
+SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, SIGHUP) if s is not None)
+
+
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[StopRequest]:
-    """Within the block, SIGINT and SIGTERM set the yielded :class:`StopRequest` instead of raising.
+    """Within the block, SIGINT, SIGTERM and SIGHUP set the yielded :class:`StopRequest` instead
+    of raising or ending the process.
 
-    The previous handlers are restored on exit. Outside the main thread (where Python cannot
-    install handlers) the request simply never fires.
+    A SIGHUP ignored when the block starts stays ignored (``nohup``, which asks the run to
+    outlive its terminal). The previous handlers are restored on exit. Outside the main
+    thread (where Python cannot install handlers) the request simply never fires.
     """
     request = StopRequest()
     previous = {}
     try:
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in SIGNALS:
+            if signum == SIGHUP and signal.getsignal(signum) is signal.SIG_IGN:
+                continue  # `nohup`: the run is to outlive its terminal
             previous[signum] = signal.signal(signum, request._handle)
     except ValueError:  # not the main thread
         pass
