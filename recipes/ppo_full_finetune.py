@@ -31,9 +31,7 @@ from torchtune_ppo.config import CompileConfig, check_cli_overrides, cpu_threads
 from torchtune_ppo.config.preflight import preflight
 from torchtune_ppo.data import prompt_loader
 from torchtune_ppo.models.build import build_models
-from torchtune_ppo.ppo.advantages import (
-    AdvantageSettings, advantage_metrics, estimate_advantages, group_metrics,
-)
+from torchtune_ppo.ppo.advantages import AdvantageSettings, advantage_metrics, estimate_advantages, group_metrics
 from torchtune_ppo.ppo.kl import KLController
 from torchtune_ppo.ppo.update import LossSettings, PPOUpdate, nonfinite_score_rows, num_updates
 from torchtune_ppo.ppo.value_pretrain import ValuePretraining
@@ -330,6 +328,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
 
     def cleanup(self) -> None:
         self._metric_logger.close()
+        checkpointing.release_output_dir(self._output_dir)
 
 
 @config.parse

@@ -863,3 +863,33 @@ def test_characters_the_tokenizer_does_not_know_are_warned_once(tmp_path, caplog
     assert "prompt #1: 'a film about" in message
     caplog.clear()
     assert warn_unknown_tokens(dataset[:1], tokenizer) == 0 and not caplog.records
+
+
+# ----------------------------------------------------------------------------- a damaged checkpoint
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_resumed_run_repeats_the_uninterrupted_one(
+        tmp_path, prompts, straight):
+    # The newest checkpoint damaged in place (same size): the resume used to skip it, reach its
+    # step again and stop on "refusing to overwrite it", in a loop.
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    shutil.rmtree(_step_dir(out, 6))  # as if the run had stopped after saving step 4
+    (weights,) = _step_dir(out, 4).glob("policy/*.safetensors")
+    with open(weights, "r+b") as f:
+        f.seek(weights.stat().st_size // 2)
+        f.write(b"\0" * 4000)
+    damaged = weights.read_bytes()
+
+    proc = _tune(out, prompts, "num_ppo_steps=6", *SAVE_EVERY_2, "resume_from_checkpoint=True")
+    assert f"Resuming from {_step_dir(out, 2)}" in proc.stderr
+    root = out / checkpointing.CHECKPOINTS_DIRNAME
+    (aside,) = root.glob("step_4.damaged-*")
+    assert f"Set aside checkpoint {_step_dir(out, 4)} as {aside.name}" in proc.stderr
+    assert (aside / "policy" / weights.name).read_bytes() == damaged  # kept as it was
+    resumed, reference = _logged(out), _logged(straight)
+    assert sorted(resumed) == [3, 4, 5, 6]
+    for step in resumed:
+        _assert_same_metrics(resumed[step], reference[step], step)
+    for step in (4, 6):
+        _assert_same_tensors(_weights(_step_dir(out, step)), _weights(_step_dir(straight, step)), f"step {step}")

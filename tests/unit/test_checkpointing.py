@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -225,10 +226,13 @@ def test_folder_without_valid_marker_is_skipped(run, state_dicts, caplog):
         ckpt.checkpointer_overrides(root / "step_3")
     assert ckpt.existing_checkpoints(out) == [root / "step_1", root / "step_2", root / "step_3"]
 
-    # Saving over an incomplete step folder replaces it.
+    # Saving over an incomplete step folder sets it aside (renamed, its files kept).
+    (root / "step_3" / "note.txt").write_text("kept")
     manager.save(3, psd, vsd, {"step": 3})
     assert ckpt.latest_checkpoint(out) == root / "step_3"
-    assert _step_dirs(out) == ["step_1", "step_2", "step_3"]
+    (aside,) = [n for n in _step_dirs(out) if n.startswith("step_3.damaged-")]
+    assert _step_dirs(out) == ["step_1", "step_2", "step_3", aside]
+    assert (root / aside / "note.txt").read_text() == "kept"
 
 
 def test_same_step_twice_refuses(run, state_dicts):
@@ -467,3 +471,163 @@ def test_the_adaptive_kl_coefficient_is_saved_and_restored(tmp_path):
     restored = KLController(0.05, target=0.1, horizon=100)
     restored.load_state_dict(manager.state["kl_controller"])
     assert restored.value == kl.value
+
+
+# ----------------------------------------------------------------------------- damaged, edited, locked
+
+
+def _damage_middle(path, size=4000):
+    """Overwrite ``size`` bytes in the middle of a file: same size, other bytes."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        old = f.read(size)
+        f.seek(path.stat().st_size // 2)
+        f.write(bytes((b + 1) % 256 for b in old))
+
+
+def _edit_marker_sha(folder, rel):
+    marker = json.loads((folder / ckpt.MARKER_FNAME).read_text())
+    marker["sha256"][rel] = "0" * 64
+    (folder / ckpt.MARKER_FNAME).write_text(json.dumps(marker))
+
+
+@pytest.mark.parametrize("damage", ["weights", "training_state", "marker_sha", "config_yaml", "truncated"])
+def test_resume_sets_damaged_newer_folders_aside_and_the_run_can_save_them_again(run, state_dicts, caplog, damage):
+    # A resume skipped a damaged step_4 but left it in place: the run then reached step 4 again
+    # and refused to overwrite it, and the printed resume command repeated the loop.
+    out, policy, value = run
+    psd, vsd = state_dicts
+    manager = ckpt.CheckpointManager(out, policy, value)
+    for step in (2, 4):
+        manager.save(step, psd, vsd, {"step": step}, run_config={"seed": 1})
+    root = out / ckpt.CHECKPOINTS_DIRNAME
+    step4 = root / "step_4"
+    if damage == "weights":
+        _damage_middle(step4 / "policy" / "model-00001-of-00001.safetensors")
+    elif damage == "training_state":
+        _damage_middle(step4 / ckpt.TRAINING_STATE_FNAME, size=64)
+    elif damage == "marker_sha":
+        _edit_marker_sha(step4, "value/model-00001-of-00001.safetensors")
+    elif damage == "config_yaml":
+        (step4 / ckpt.CONFIG_FNAME).write_text("seed: 2\n")
+    else:
+        with open(step4 / "value" / "model-00001-of-00001.safetensors", "r+b") as f:
+            f.truncate(100)
+    before = {str(p.relative_to(step4)): p.read_bytes() for p in step4.rglob("*") if p.is_file()}
+
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.checkpoint_to_resume(out, True) == str(root / "step_2")
+    (aside,) = [n for n in _step_dirs(out) if n.startswith("step_4.")]
+    assert aside.startswith("step_4.damaged-") and _step_dirs(out) == ["step_2", aside]
+    # Set aside whole: every byte still there, under the new name.
+    assert {str(p.relative_to(root / aside)): p.read_bytes()
+            for p in (root / aside).rglob("*") if p.is_file()} == before
+    assert f"Set aside checkpoint {step4} as {aside}" in caplog.text
+    assert ckpt.existing_checkpoints(out)[-1] == root / aside  # a fresh run still refuses the folder
+    # The resumed run saves step 4 again.
+    manager.save(4, psd, vsd, {"step": 4})
+    assert ckpt.latest_checkpoint(out, verify=True) == step4
+    ckpt.release_output_dir(out)
+
+
+def test_only_folders_newer_than_the_resume_point_are_set_aside(run, state_dicts):
+    out, policy, value = run
+    psd, vsd = state_dicts
+    manager = ckpt.CheckpointManager(out, policy, value)
+    for step in (1, 2, 3):
+        manager.save(step, psd, vsd, {"step": step})
+    root = out / ckpt.CHECKPOINTS_DIRNAME
+    (root / "step_1" / ckpt.MARKER_FNAME).unlink()  # older than step 3: nobody will save it again
+    assert ckpt.checkpoint_to_resume(out, True) == str(root / "step_3")
+    assert _step_dirs(out) == ["step_1", "step_2", "step_3"]
+    ckpt.release_output_dir(out)
+
+
+@pytest.mark.parametrize("edit", ["edited", "removed"])
+def test_editing_metadata_a_resume_does_not_read_keeps_the_checkpoint(tmp_path, caplog, edit):
+    # Adding base_model_name_or_path to adapter_config.json (for PEFT) used to fail the checksum
+    # and cost the whole checkpoint.
+    block = OmegaConf.create({
+        "_component_": HF, "checkpoint_dir": torchtune_ppo.asset_path("tiny_sentiment/policy"),
+        "checkpoint_files": ["model.safetensors"], "model_type": "LLAMA2", "output_dir": str(tmp_path / "x"),
+    })
+    adapter = ({"layers.0.attn.q_proj.lora_a.weight": torch.ones(2, 4)},
+               {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "peft_type": "LORA"}, {})
+    manager = ckpt.CheckpointManager(tmp_path / "run", block, None)
+    path = manager.save(1, None, None, {"step": 1}, adapters={"policy": adapter})
+    name = "adapter_config.json"
+    target = path / "policy" / name
+    if edit == "edited":
+        cfg = json.loads(target.read_text())
+        cfg["base_model_name_or_path"] = "some/base-model"
+        target.write_text(json.dumps(cfg))
+    else:
+        target.unlink()
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.checkpoint_to_resume(tmp_path / "run", True) == str(path)
+    (change,) = ckpt.edited_files(path)
+    assert change.startswith(f"policy/{name}: ") and (("bytes, other contents" in change) == (edit == "edited"))
+    assert f"policy/{name}" in caplog.text and "A resume does not read this file" in caplog.text
+    assert not list((tmp_path / "run" / ckpt.CHECKPOINTS_DIRNAME).glob("*.damaged-*"))
+    assert ckpt.load_adapters(path, "policy").keys() == adapter[0].keys()
+    # The weights a resume reads are still checked: damaged adapters are damage.
+    _damage_middle(path / "policy" / "adapter_model.pt", size=16)
+    assert ckpt.latest_checkpoint(tmp_path / "run", verify=True) is None
+    ckpt.release_output_dir(tmp_path / "run")
+
+
+def test_a_checkpoint_holds_no_copy_of_its_source_folders_manifest(tmp_path, state_dicts):
+    # A source folder's manifest.json (tools/prepare_smollm2.py) lists checksums of its own files;
+    # the writer used to copy it into every checkpoint, where it described files not there.
+    src = tmp_path / "src"
+    shutil.copytree(torchtune_ppo.asset_path("tiny_sentiment/policy"), src)
+    (src / "manifest.json").write_text(json.dumps({"files": {"model.safetensors": "ab" * 32}}))
+    policy, value = _blocks(tmp_path / "run")
+    policy.checkpoint_dir = str(src)
+    psd, vsd = state_dicts
+    path = ckpt.CheckpointManager(tmp_path / "run", policy, value).save(1, psd, vsd, {"step": 1})
+    assert (path / "policy" / "config.json").is_file()  # other files of the source are copied
+    assert not (path / "policy" / "manifest.json").exists()
+    assert "policy/manifest.json" not in json.loads((path / ckpt.MARKER_FNAME).read_text())["files"]
+
+
+_LOCK_SCRIPT = textwrap.dedent("""
+    import sys
+    from torchtune_ppo.checkpointing import store
+    try:
+        store.lock_output_dir(sys.argv[1])
+    except RuntimeError as e:
+        print("REFUSED", e)
+    else:
+        print("LOCKED")
+""")
+
+
+def test_a_second_run_in_the_same_output_dir_is_refused_while_the_first_holds_it(tmp_path):
+    out = tmp_path / "run"
+    ckpt.checkpoint_to_resume(out, False)  # takes the lock, as a fresh run's preflight does
+    ckpt.lock_output_dir(out)  # again in the same process: a no-op
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    other = subprocess.run([sys.executable, "-c", _LOCK_SCRIPT, str(out)], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert other.stdout.startswith("REFUSED"), other.stdout + other.stderr
+    assert f"output_dir {str(out)!r} is in use by another run (pid {os.getpid()} on" in other.stdout
+    ckpt.release_output_dir(out)
+    other = subprocess.run([sys.executable, "-c", _LOCK_SCRIPT, str(out)], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert other.stdout.startswith("LOCKED"), other.stdout + other.stderr
+
+
+def test_the_accuracy_script_reads_the_prompt_settings_of_the_run_that_saved_the_policy(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "chat_arithmetic_accuracy", Path(__file__).resolve().parents[2] / "benchmarks/tasks/chat_arithmetic_accuracy.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    step = tmp_path / "checkpoints" / "step_8"
+    (step / "policy").mkdir(parents=True)
+    assert script.run_config(step / "policy", None) == script.CONFIG  # no saved config: the shipped one
+    (step / "config.yaml").write_text("dataset: {response_prefix: 'A:'}\n")
+    assert script.run_config(step / "policy", None) == step / "config.yaml"
+    assert script.run_config(step / "policy", "mine.yaml") == Path("mine.yaml")

@@ -17,10 +17,14 @@ from torchtune_ppo.checkpointing.store import (  # noqa: F401
     check_writable,
     checkpoint_to_resume,
     checkpointer_overrides,
+    edited_files,
     existing_checkpoints,
     latest_checkpoint,
     load_adapters,
     load_training_state,
+    lock_output_dir,
+    release_output_dir,
+    set_aside,
 )
 from torchtune_ppo.checkpointing.resume_config import (  # noqa: F401
     ResumeConfigError,
@@ -40,5 +44,6 @@ __all__ = [
     "CONFIG_FNAME", "DamagedCheckpointError", "NonFiniteWeightsError", "ResumeConfigError",
     "apply_optimizer_overrides", "capture_rng_state", "check_loaded_finite", "check_resume_config",
     "check_shapes", "check_writable", "config_to_save", "checkpoint_to_resume", "checkpointer_overrides",
-    "existing_checkpoints", "latest_checkpoint", "load_adapters", "load_training_state", "restore_rng_state",
+    "edited_files", "existing_checkpoints", "latest_checkpoint", "load_adapters", "load_training_state",
+    "lock_output_dir", "release_output_dir", "restore_rng_state", "set_aside",
 ]

@@ -19,6 +19,9 @@ an ignored temporary folder::
             COMPLETE             JSON marker written last: step, every file with its size and
                                  sha256, time; a resume verifies the checksums
         .tmp_step_<N>_<pid>/     a save in progress, or left by a crash: never read, cleaned later
+        step_<N>.damaged-<time>/ a step folder a resume found damaged or incomplete, set aside
+                                 (renamed, never deleted) so that the run can save step N again
+    <output_dir>/.run.lock       held by the run writing the folder (rank 0): a second run there is refused
 
 The weights go through torchtune's own HF writer (model_type conversions, config.json copy,
 sharding as in the source checkpoint); a fresh writer is instantiated per save from the same
@@ -66,6 +69,14 @@ TRAINING_STATE_FNAME = "training_state.pt"
 MODEL_NAMES = ("policy", "value")
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
+LOCK_FNAME = ".run.lock"
+SOURCE_MANIFEST_FNAME = "manifest.json"  # tools/prepare_smollm2.py's list of its folder's checksums
+# Files of a saved model folder that nothing in a resume reads, and that users edit (PEFT wants
+# base_model_name_or_path in adapter_config.json; generation settings; tokenizer files; notes):
+# changed since the save, they are named in a warning, and the weights stay usable.
+_EDITABLE_RE = re.compile(
+    r"^(policy|value)/(adapter_config\.json|generation_config\.json|tokenizer[^/]*|special_tokens_map\.json"
+    r"|[^/]*\.(md|txt))$")
 _TMP_PREFIX = ".tmp_"
 _TMP_PID_RE = re.compile(r"^\.tmp_.*_(\d+)$")
 # Weight files torchtune's HF writer produces: model-00001-of-00003.safetensors (or .bin).
@@ -230,9 +241,8 @@ class CheckpointManager:
             _write_marker(tmp, step)
             _maybe_crash("before_rename")
             if final.exists():
-                # Only an incomplete folder can be here (checked above): unusable, set aside.
-                log.warning(f"Replacing incomplete checkpoint folder {final} (no valid {MARKER_FNAME})")
-                os.rename(final, self.root / f"{_TMP_PREFIX}incomplete_step_{step}_{os.getpid()}")
+                # Only an incomplete folder can be here (checked above): set aside, never deleted.
+                set_aside(final, _invalid_reason(final) or "incomplete")
             os.rename(tmp, final)
             _fsync_dir(self.root)
         except BaseException as e:
@@ -271,6 +281,9 @@ class CheckpointManager:
             payload[training.ADAPTER_CONFIG] = dict(adapter[1])
         writer.save_checkpoint(payload, epoch=step, adapter_only=state_dict is None)
         os.rename(scratch / f"epoch_{step}", tmp / name)
+        # The writer copies every other file of the source folder, a manifest of the source's own
+        # files among them; COMPLETE describes this folder, so a copied manifest would mislead.
+        (tmp / name / SOURCE_MANIFEST_FNAME).unlink(missing_ok=True)
         if adapter is not None and adapter[2]:
             from safetensors.torch import save_file
 
@@ -524,6 +537,8 @@ def _invalid_reason(folder: Path, verify: bool = False) -> Optional[str]:
     if marker.get("step") != int(m.group(1)):
         return f"{MARKER_FNAME} marker is for step {marker.get('step')}"
     for rel, size in marker.get("files", {}).items():
+        if _EDITABLE_RE.match(rel):
+            continue  # not read by a resume: see edited_files
         p = folder / rel
         if not p.is_file():
             return f"{rel} listed in {MARKER_FNAME} is missing"
@@ -536,10 +551,51 @@ def _invalid_reason(folder: Path, verify: bool = False) -> Optional[str]:
             return f"{MARKER_FNAME} lists no {name} weight or adapter files"
     if verify:
         for rel, digest in marker.get("sha256", {}).items():
-            if sha256_of(folder / rel) != digest:
+            if not _EDITABLE_RE.match(rel) and sha256_of(folder / rel) != digest:
                 return (f"{rel} is damaged: its sha256 differs from the one {MARKER_FNAME} recorded "
                         "at save (same size, different bytes)")
     return None
+
+
+def edited_files(folder: Path) -> List[str]:
+    """What changed since the save among a checkpoint's files that a resume does not read
+    (``adapter_config.json``, ``generation_config.json``, tokenizer files, notes): one line per
+    file, e.g. ``"policy/adapter_config.json: 312 -> 359 bytes, other contents"``."""
+    try:
+        marker = _read_marker(folder)
+    except (OSError, ValueError):
+        return []
+    changes = []
+    for rel, digest in (marker.get("sha256") or {}).items():
+        if not _EDITABLE_RE.match(rel):
+            continue
+        p, size = folder / rel, (marker.get("files") or {}).get(rel)
+        if not p.is_file():
+            changes.append(f"{rel}: removed")
+        elif sha256_of(p) != digest:
+            now = p.stat().st_size
+            changes.append(f"{rel}: {size} -> {now} bytes, other contents" if size != now
+                           else f"{rel}: same size ({now} bytes), other contents")
+    return changes
+
+
+def set_aside(folder: Path, reason: str) -> Path:
+    """Rename a damaged or incomplete ``step_<N>`` folder to ``step_<N>.damaged-<UTC time>``, so
+    that nothing reads it and a run may save step N again; nothing in it is deleted.
+
+    Returns:
+        Path: where the folder now is.
+    """
+    folder = Path(folder)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target, n = folder.with_name(f"{folder.name}.damaged-{stamp}"), 1
+    while target.exists():
+        target, n = folder.with_name(f"{folder.name}.damaged-{stamp}-{n}"), n + 1
+    os.rename(folder, target)
+    _fsync_dir(folder.parent)
+    log.warning(f"Set aside checkpoint {folder} as {target.name} ({reason}); nothing in it was deleted. "
+                f"The run goes on from an older checkpoint and saves step {folder.name[5:]} anew.")
+    return target
 
 
 def _complete_steps(root: Path, warn: bool = True) -> List[Tuple[int, Path]]:
@@ -559,7 +615,8 @@ def _complete_steps(root: Path, warn: bool = True) -> List[Tuple[int, Path]]:
     return sorted(out)
 
 
-def latest_checkpoint(output_dir: Union[str, Path], verify: bool = False) -> Optional[Path]:
+def latest_checkpoint(output_dir: Union[str, Path], verify: bool = False,
+                      set_aside_damaged: bool = False) -> Optional[Path]:
     """The newest complete checkpoint of a run.
 
     ``step_*`` folders without a valid marker are skipped with a warning naming them, and
@@ -569,6 +626,10 @@ def latest_checkpoint(output_dir: Union[str, Path], verify: bool = False) -> Opt
         output_dir (Union[str, Path]): the run's output folder.
         verify (bool): also check the sha256 of every file, newest checkpoint first; a damaged
             one is named (file and what is wrong) with a warning and the next older one tried.
+            Files a resume does not read (:func:`edited_files`) are only warned about.
+        set_aside_damaged (bool): rename (:func:`set_aside`) every damaged or incomplete
+            ``step_<N>`` folder newer than the one returned, so that the resumed run can save
+            those steps again instead of finding them in its way.
 
     Returns:
         Optional[Path]: ``<output_dir>/checkpoints/step_<N>`` with the largest N that is
@@ -581,14 +642,28 @@ def latest_checkpoint(output_dir: Union[str, Path], verify: bool = False) -> Opt
         if p.name.startswith(_TMP_PREFIX) and p.is_dir():
             log.warning(f"Ignoring {p}: an interrupted save; it is removed by the next save")
     complete = _complete_steps(root)
+    chosen: Optional[Path] = None
+    damaged: Dict[Path, str] = {}
     if not verify:
-        return complete[-1][1] if complete else None
-    for _, path in reversed(complete):
+        chosen = complete[-1][1] if complete else None
+    for _, path in reversed(complete if verify else []):
         reason = _invalid_reason(path, verify=True)
         if reason is None:
-            return path
+            chosen = path
+            break
+        damaged[path] = reason
         log.warning(f"Skipping damaged checkpoint {path}: {reason}. Trying the next older one.")
-    return None
+    if chosen is not None and verify:
+        for change in edited_files(chosen):
+            log.warning(f"{chosen}: {change} since the save. A resume does not read this file, so the "
+                        "checkpoint stays usable; the next save writes its own.")
+    if set_aside_damaged:
+        floor = -1 if chosen is None else int(_STEP_RE.match(chosen.name).group(1))
+        for p in sorted(root.iterdir()):
+            m = _STEP_RE.match(p.name)
+            if m is not None and p.is_dir() and int(m.group(1)) > floor:
+                set_aside(p, damaged.get(p) or _invalid_reason(p) or "damaged")
+    return chosen
 
 
 def existing_checkpoints(output_dir: Union[str, Path]) -> List[Path]:
@@ -727,6 +802,9 @@ def check_writable(output_dir: Union[str, Path]) -> None:
 def checkpoint_to_resume(output_dir: Union[str, Path], resume: bool) -> Optional[str]:
     """The checkpoint a run starts from: None for a fresh run, the newest complete one to resume.
 
+    First takes the output folder's lock (:func:`lock_output_dir`). Resuming, damaged or
+    incomplete step folders newer than the one chosen are set aside (renamed, never deleted).
+
     Args:
         output_dir (Union[str, Path]): the run's output folder.
         resume (bool): ``resume_from_checkpoint``.
@@ -734,7 +812,9 @@ def checkpoint_to_resume(output_dir: Union[str, Path], resume: bool) -> Optional
     Raises:
         FileExistsError: a fresh run into a folder that holds checkpoints (it would overwrite them).
         FileNotFoundError: resuming, but no complete checkpoint is there.
+        RuntimeError: another run holds the folder's lock.
     """
+    lock_output_dir(output_dir)
     if not resume:
         existing = existing_checkpoints(output_dir)
         if existing:
@@ -744,7 +824,12 @@ def checkpoint_to_resume(output_dir: Union[str, Path], resume: bool) -> Optional
                 "them. Resume with resume_from_checkpoint=True, or choose another output_dir."
             )
         return None
-    latest = latest_checkpoint(output_dir, verify=True)
+    # Rank 0 checks every file and sets damaged folders aside; the other ranks take its answer.
+    latest = latest_checkpoint(output_dir, verify=True, set_aside_damaged=True) if _rank() == 0 else None
+    if _world_size() > 1:
+        shared = [latest]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        latest = shared[0]
     if latest is None:
         raise FileNotFoundError(
             f"resume_from_checkpoint=True but output_dir {str(output_dir)!r} holds no complete "
@@ -753,6 +838,65 @@ def checkpoint_to_resume(output_dir: Union[str, Path], resume: bool) -> Optional
         )
     log.info(f"Resuming from {latest}")
     return str(latest)
+
+
+_held_locks: Dict[str, Any] = {}  # resolved output_dir -> the open lock file of this process
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def lock_output_dir(output_dir: Union[str, Path]) -> None:
+    """Holds ``<output_dir>/.run.lock`` (an ``flock``, released when the process ends, even
+    killed, or by :func:`release_output_dir`) so that two runs never write one folder: two
+    resumes at once would save the same steps over each other. Rank 0 only; taking it again in
+    the same process is a no-op.
+
+    Raises:
+        RuntimeError: another process holds it; names that process (pid, host, start, command).
+        CheckpointWriteError: the folder cannot be created or written.
+    """
+    import fcntl
+    import socket
+    import sys
+
+    if _rank() != 0:
+        return
+    check_writable(output_dir)
+    path = Path(output_dir).resolve() / LOCK_FNAME
+    if str(path) in _held_locks:
+        return
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise RuntimeError(
+            f"output_dir {str(output_dir)!r} is in use by another run ({holder}): two runs writing one folder "
+            "would save over each other's checkpoints. Wait for that run to end (or stop it: it saves "
+            "and exits on Ctrl-C or SIGTERM), or choose another output_dir.") from None
+    f.seek(0)
+    f.truncate()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {started}: {' '.join(sys.argv)[:300]}\n")
+    f.flush()
+    _held_locks[str(path)] = f
+
+
+def release_output_dir(output_dir: Union[str, Path]) -> None:
+    """Lets go of the lock :func:`lock_output_dir` took (at the end of a run); a no-op otherwise."""
+    f = _held_locks.pop(str(Path(output_dir).resolve() / LOCK_FNAME), None)
+    if f is not None:
+        f.close()  # closing the file releases the flock
 
 
 def check_shapes(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], key: str) -> None:
