@@ -8,8 +8,9 @@ The YAML files of ``recipes/configs/<family>/<name>.yaml`` install as the packag
   config opens with.
 - ``tune-ppo cp <name> [dest]``: copy a config (or the recipe, ``ppo_full_finetune``) to edit.
 - ``tune run ppo_full_finetune --config <name>``: the recipe's ``__main__`` block rewrites a
-  ``--config`` value that is not a file but a shipped name into that config's path
-  (:func:`resolve_config_arg`) before torchtune's ``config.parse`` reads it.
+  ``--config`` value that is not a file (with or without ``.yaml``) but a shipped name into
+  that config's path (:func:`resolve_config_arg`) before torchtune's ``config.parse`` reads it,
+  and logs the absolute path of the file used.
 
 torchtune 0.6.1's own ``tune ls`` / ``tune cp`` read a hard-coded registry of torchtune's
 recipes (``torchtune/_recipe_registry.py``, no plugin hook), hence this small command.
@@ -114,14 +115,16 @@ atexit.register(_KEEP_OPEN.close)
 
 
 def config_path(value: str) -> str:
-    """The file a ``--config`` value means: ``value`` itself when it is a file, else the
-    shipped config of that name.
+    """The file a ``--config`` value means: ``value`` itself when it is a file (relative to the
+    current folder, as torchtune's ``tune run --config <path>`` reads it), else ``value`` +
+    ``.yaml`` when that is a file, else the shipped config of that name.
 
     Raises:
-        FileNotFoundError: neither; the message lists the shipped names.
+        FileNotFoundError: none of them; the message lists the shipped names.
     """
-    if os.path.isfile(value):
-        return value
+    for path in (value, value + SUFFIX):
+        if os.path.isfile(path):
+            return path
     entry = shipped_configs().get(_name(value))
     if entry is None:
         raise FileNotFoundError(unknown_config_message(value))
@@ -131,9 +134,25 @@ def config_path(value: str) -> str:
     return str(_KEEP_OPEN.enter_context(resources.as_file(entry)))
 
 
+def config_used(value: str, path: str) -> str:
+    """The line that says which file a ``--config`` value ran: its absolute path, and whether it
+    is a shipped config, or a file that the shipped config of the same name gave way to."""
+    where, name = os.path.abspath(path), _name(value)
+    entry = shipped_configs().get(name)
+    if entry is None:
+        return f"Config: {where}"
+    if isinstance(entry, Path) and os.path.samefile(entry, path):
+        return f"Config: {where} (shipped config {name})"
+    if os.path.isfile(value) or os.path.isfile(value + SUFFIX):
+        return f"Config: {where} (a file here, not the shipped config {name})"
+    return f"Config: {where} (shipped config {name})"  # installed as a zip
+
+
 def resolve_config_arg(argv: Sequence[str]) -> List[str]:
     """``argv`` with each ``--config`` value that names a shipped config (and is not a file)
-    replaced by that config's path; ``--config X`` and ``--config=X`` both.
+    replaced by that config's path; ``--config X`` and ``--config=X`` both. A file at the given
+    path (``.yaml`` optional) comes first. Logs the absolute path of each config file used (on
+    rank 0 under torchrun).
 
     The recipe's ``__main__`` block calls it before torchtune's ``config.parse`` reads
     ``sys.argv``: ``sys.argv = resolve_config_arg(sys.argv)``.
@@ -143,14 +162,25 @@ def resolve_config_arg(argv: Sequence[str]) -> List[str]:
             listing the shipped names (no traceback).
     """
     args = list(argv)
+    used = []
     try:
         for i, arg in enumerate(args):
             if arg == "--config" and i + 1 < len(args):
-                args[i + 1] = config_path(args[i + 1])
+                value = args[i + 1]
+                args[i + 1] = config_path(value)
+                used.append(config_used(value, args[i + 1]))
             elif arg.startswith("--config="):
-                args[i] = "--config=" + config_path(arg[len("--config="):])
+                value = arg[len("--config="):]
+                args[i] = "--config=" + config_path(value)
+                used.append(config_used(value, args[i][len("--config="):]))
     except FileNotFoundError as error:
         raise SystemExit(f"error: {error}") from None
+    if used and os.environ.get("RANK", "0") == "0":
+        from torchtune import utils
+
+        log = utils.get_logger("INFO")
+        for line in used:
+            log.info(line)
     return args
 
 
