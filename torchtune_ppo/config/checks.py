@@ -618,8 +618,13 @@ def cpu_threads(setting: Any) -> int:
 
     A number above the cores this process may run on is capped to them with a warning: more
     OpenMP threads than cores spin-wait for each other and run several times slower.
+
+    Raises:
+        ValueError: ``OMP_NUM_THREADS`` is set but is not a positive integer (or OpenMP's list of
+            them, ``4,2``), naming its value and what is valid.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    omp = _omp_num_threads()
     if setting != "auto":
         if int(setting) > cores:
             from torchtune import utils
@@ -629,9 +634,29 @@ def cpu_threads(setting: Any) -> int:
                 f"on; using {cores} (more threads than cores wait for each other).")
             return cores
         return int(setting)
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        return int(os.environ["OMP_NUM_THREADS"])
+    if omp is not None:
+        return omp
     return max(1, cores - 1)
+
+
+def _omp_num_threads() -> Optional[int]:
+    """``OMP_NUM_THREADS`` as OpenMP reads it (a positive integer, or a comma-separated list of
+    them for nested levels, the first of which counts here); None when it is not set.
+
+    Raises:
+        ValueError: set to anything else (``0``, ``-1``, ``abc``, empty), which OpenMP ignores
+            with a warning and ``torch.set_num_threads`` refuses without naming the variable.
+    """
+    value = os.environ.get("OMP_NUM_THREADS")
+    if value is None:
+        return None
+    counts = [p.strip().removeprefix("+") for p in value.split(",")]
+    if not all(c.isdigit() and c.isascii() and int(c) > 0 for c in counts):
+        raise ValueError(
+            f"OMP_NUM_THREADS={value!r} is not a positive integer: set it to the number of CPU "
+            "threads to use (e.g. OMP_NUM_THREADS=1), or unset it and the config's cpu_threads "
+            "decides (`auto`: every core but one).")
+    return int(counts[0])
 
 
 def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> Optional[bool]:
