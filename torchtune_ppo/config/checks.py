@@ -5,8 +5,9 @@ value can surface hundreds of steps later (or never, as a silently different run
 that can be checked without weights is checked here, in this order by the recipe:
 
 1. ``check_cli_overrides(sys.argv[1:])`` and ``validate_config(cfg)``: keys, then each value
-   against its kind in ``schema.SCHEMA``, then the rules between keys, the device, checkpoint
-   files, and the models' settings read from a build on the meta device.
+   against its kind in ``schema.SCHEMA``, each component block's keys against its callable's
+   arguments (``components.py``), then the rules between keys, the device, checkpoint files,
+   and the models' settings read from a build on the meta device.
 2. ``validate_with_tokenizer(cfg, tokenizer)``: right after the tokenizer is instantiated.
 3. ``instantiate_dataset(cfg.dataset, tokenizer)`` then ``validate_dataset(dataset, cfg)``
    (``data_files``): before any weights are read.
@@ -27,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 
+from torchtune_ppo.config.components import check_component_arguments
 from torchtune_ppo.config.schema import (
     COMPILE_REGIONS,
     KEYS,
@@ -224,6 +226,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
 
     for key in SCHEMA:
         key.kind.check(key.name, cfg[key.name])
+    check_component_arguments(cfg)  # a typo inside a block (optimizer.lrr), before anything is built
     # Read once here: a bare compile: true|false becomes the mapping of every region, so the
     # rest of the run reads cfg.compile.<region>.
     cfg.compile = dataclasses.asdict(parse_compile(cfg.compile))
