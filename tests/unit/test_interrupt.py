@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from torchtune_ppo.run.interrupt import resume_command, stop_on_signals
 
-pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
+needs_sighup = pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
 
 
 def _signal_self(sig, until, seconds=2.0):
@@ -36,6 +36,7 @@ def sighup_caught():
         signal.signal(signal.SIGHUP, before)
 
 
+@needs_sighup
 def test_sighup_asks_to_stop_as_sigterm_does_and_the_handlers_are_restored(sighup_caught):
     caught, recorder = sighup_caught
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
@@ -49,6 +50,7 @@ def test_sighup_asks_to_stop_as_sigterm_does_and_the_handlers_are_restored(sighu
     assert signal.getsignal(signal.SIGHUP) is recorder
 
 
+@needs_sighup
 def test_sighup_ignored_at_start_stays_ignored():
     """`nohup tune run ...` starts the run with SIGHUP ignored so that it outlives its terminal."""
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -61,3 +63,14 @@ def test_sighup_ignored_at_start_stays_ignored():
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_the_resume_command_pasted_in_a_shell_gives_back_list_overrides(tmp_path):
+    argv = ["ppo_full_finetune", "--config", "my run.yaml", "policy_model.lora_attn_modules=[q_proj, v_proj]",
+            "dataset.data_files=['a b.json', 'it''s.json']", f"output_dir={tmp_path}/old", "seed=1"]
+    out = f"{tmp_path}/a run"
+    words = shlex.split(resume_command(argv, out))
+    assert words == ["tune", "run", *argv[:5], "seed=1", f"output_dir={out}", "resume_from_checkpoint=True"]
+    parsed = OmegaConf.from_dotlist(words[5:])
+    assert parsed.policy_model.lora_attn_modules == ["q_proj", "v_proj"]
+    assert parsed.dataset.data_files == ["a b.json", "it's.json"] and parsed.output_dir == out

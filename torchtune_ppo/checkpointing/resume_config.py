@@ -24,7 +24,10 @@ when the count differs (see :class:`~torchtune_ppo.checkpointing.CheckpointClien
 responses then differ from the uninterrupted run's (the draws are made per forward batch).
 """
 
+import json
 import math
+import re
+import shlex
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -125,12 +128,14 @@ def check_resume_config(checkpoint: Union[str, Path], cfg: Union[DictConfig, Map
     must += pretrain_must
     if must:
         lines = "\n".join(f"  {k}: saved {old!r}, now {new!r}" for k, old, new in must)
-        fix = " ".join(f"{k}={_cli(old)}" for k, old, _ in must if old is not _MISSING)
+        fix = " ".join(cli_override(k, old) for k, old, _ in must if old is not _MISSING)
+        fix = (f"Resume with the saved values, e.g. with these overrides on the command line:\n  {fix}\n"
+               if fix else "Resume with the saved values (remove the new keys), ")
         raise ResumeConfigError(
             f"Cannot resume from {checkpoint}: these keys differ from the config it was saved "
             f"with ({Path(checkpoint) / CONFIG_FNAME}), and the saved training state (data "
             f"position, random states, optimizer and LR schedule) only means something with the "
-            f"saved values:\n{lines}\n{why}Resume with the saved values (e.g. {fix or 'remove the new keys'}), "
+            f"saved values:\n{lines}\n{why}{fix}"
             "or start a fresh run in another output_dir (resume_from_checkpoint=False)."
         )
     if may:
@@ -185,10 +190,42 @@ def _param_groups(optimizer: Any) -> List[Tuple[int, Dict[str, Any]]]:
     return list(enumerate(optimizer.param_groups))
 
 
-def _cli(value: Any) -> str:
-    if isinstance(value, (dict, list)):
+# A string that reads back as itself unquoted: a name, a dotted path, a file path (checked by
+# parsing it as well: `true`, `null`, `1e-5` are not strings there). None of YAML's flow
+# indicators, so it stays one item inside a list too.
+_PLAIN = re.compile(r"[A-Za-z_/.~][A-Za-z0-9_/.~+-]*")
+
+
+def _override_value(value: Any) -> str:
+    """``value`` as the value of a ``key=value`` override that torchtune's command line reads back
+    as ``value``: it parses overrides with ``OmegaConf.from_dotlist``, i.e. as YAML, so lists are
+    flow sequences (``[a, b]``), mappings flow mappings, and strings are double-quoted unless they
+    read back as themselves."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
+    if isinstance(value, (int, float)):
         return repr(value)
-    return "null" if value is None else str(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_override_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_override_value(str(k))}: {_override_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    # torchtune turns the override value `None` into null.
+    if _PLAIN.fullmatch(text) and text != "None" and OmegaConf.from_dotlist([f"v={text}"]).v == text:
+        return text
+    # "${" would be an interpolation to OmegaConf: escaped, it stays text.
+    return json.dumps(text.replace("${", "\\${"), ensure_ascii=False)
+
+
+def cli_override(key: str, value: Any) -> str:
+    """``key=value`` as an override for torchtune's command line, quoted for a POSIX shell: what
+    is printed can be pasted as it is, and the shell and torchtune's parser (OmegaConf's
+    dotlist) give back ``value``, lists and mappings included."""
+    return shlex.quote(f"{key}={_override_value(value)}")
 
 
 def apply_optimizer_overrides(optimizer: Any, cfg_optimizer: Union[DictConfig, Mapping],
