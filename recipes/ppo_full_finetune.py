@@ -242,7 +242,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     def train(self, on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> None:
         """Runs PPO steps until ``num_ppo_steps``; ``on_step(step, metrics)`` is called after each.
 
-        SIGINT or SIGTERM finishes the current step, saves a checkpoint and exits. An exception
+        SIGINT, SIGTERM or SIGHUP finishes the current step, saves a checkpoint and exits. An exception
         saves the state after the last completed step when it can (see ``StepInProgress``).
         """
         progress_ = self._progress

@@ -883,7 +883,7 @@ def lock_output_dir(output_dir: Union[str, Path]) -> None:
         raise RuntimeError(
             f"output_dir {str(output_dir)!r} is in use by another run ({holder}): two runs writing one folder "
             "would save over each other's checkpoints. Wait for that run to end (or stop it: it saves "
-            "and exits on Ctrl-C or SIGTERM), or choose another output_dir.") from None
+            "and exits on Ctrl-C, SIGTERM or SIGHUP), or choose another output_dir.") from None
     f.seek(0)
     f.truncate()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
