@@ -11,11 +11,13 @@ seconds with a message that names the key or file:
    the folder must be writable;
 3. the tokenizer, against the pad and stop tokens;
 4. the data: every prompt read, tokenized and checked, ``P`` fixed (the longest prompt when
-   ``max_prompt_len`` is null) and the sequence length checked against the models;
+   ``max_prompt_len`` is null) and the sequence length checked against the models; what
+   identifies the data (each local file's size and sha256, the row count) recorded for the
+   checkpoints, and on resume compared with what the checkpoint recorded;
 5. the memory plan: the run must fit the device.
 """
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional
 
 from omegaconf import DictConfig
 from torchtune import config as tt_config
@@ -29,6 +31,7 @@ from torchtune_ppo.config.checks import (
     warn_unknown_tokens,
 )
 from torchtune_ppo.config.data_files import instantiate_dataset, validate_dataset
+from torchtune_ppo.data.identity import check_resumed_data, data_identity
 from torchtune_ppo.run.memory import check_plan
 
 
@@ -40,12 +43,15 @@ class Preflight(NamedTuple):
         tokenizer (Any): the instantiated tokenizer.
         dataset (Any): the instantiated, checked prompt dataset.
         prompt_len (int): ``P``, the width every prompt is left-padded to.
+        data_identity (Optional[Dict[str, Any]]): what identifies the data, for the training
+            state of every checkpoint (``Progress(data_identity=...)``).
     """
 
     resume_from: Optional[str]
     tokenizer: Any
     dataset: Any
     prompt_len: int
+    data_identity: Optional[Dict[str, Any]] = None
 
 
 def preflight(cfg: DictConfig, *, world_size: int, log) -> Preflight:
@@ -76,6 +82,9 @@ def preflight(cfg: DictConfig, *, world_size: int, log) -> Preflight:
     dataset = instantiate_dataset(cfg.dataset, tokenizer)
     num_long = validate_dataset(dataset, cfg)
     warn_unknown_tokens(dataset, tokenizer)
+    identity = data_identity(cfg.dataset, dataset)  # each local file hashed once, here
+    if resume_from:
+        check_data_unchanged(resume_from, identity, cfg, log)
     prompt_len = cfg.max_prompt_len
     if prompt_len is None:
         prompt_len = max(len(dataset[i]["tokens"]) for i in range(len(dataset)))
@@ -85,4 +94,16 @@ def preflight(cfg: DictConfig, *, world_size: int, log) -> Preflight:
         log.info(f"{num_long} of {len(dataset)} prompts are longer than max_prompt_len="
                  f"{prompt_len}; their last {prompt_len} tokens are kept.")
     check_plan(cfg, prompt_len, log)
-    return Preflight(resume_from, tokenizer, dataset, prompt_len)
+    return Preflight(resume_from, tokenizer, dataset, prompt_len, identity)
+
+
+def check_data_unchanged(resume_from: str, identity: Dict[str, Any], cfg: DictConfig, log) -> None:
+    """Refuses a resume whose data differ from the checkpoint's (see
+    :func:`~torchtune_ppo.data.identity.check_resumed_data`); ``resume_accept_data_change``
+    makes it a warning. A checkpoint that recorded no identity resumes with a note."""
+    state = checkpointing.load_training_state(resume_from)
+    position = f"epoch {int(state['epochs_run']) + 1}, {int(state['batches_run_in_epoch'])} batches in"
+    saved = state.get("data_identity")
+    del state  # the optimizer state in it is loaded again, where the run restores it
+    check_resumed_data(saved, identity, checkpoint=str(resume_from), position=position,
+                       accept=cfg.resume_accept_data_change, log=log)

@@ -491,6 +491,11 @@ SCHEMA: Tuple[Key, ...] = (
         "the merged full weights (HF format) unless this is true (torchtune's key)"),
     Key("resume_from_checkpoint", Bool(), False,
         "continue from the newest complete checkpoint in `output_dir`"),
+    Key("resume_accept_data_change", Bool(), False,
+        "a resume whose data differ from the data the checkpoint was trained on (a data file's "
+        "size, sha256 or the dataset's row count; every checkpoint records them) stops, naming "
+        "the file and what changed; true: continue over the changed data from the saved batch "
+        "position, with a warning"),
     # An update whose loss or gradients are not finite is skipped; this many in a row means the
     # run has diverged, so it stops instead of burning the rest of its steps.
     Key("max_consecutive_skipped_steps", Count(), 3,

@@ -2,7 +2,9 @@
 
 :class:`Progress` is the run's books, kept apart from the recipe's PPO decisions. Its state dict
 is what a checkpoint's training state holds of it, so a resume puts the run back at the same
-batch of the same epoch, in the same phase.
+batch of the same epoch, in the same phase; with it, what identifies the data that position
+counts batches of (:func:`torchtune_ppo.data.identity.data_identity`), which a resume compares
+with its own data before anything is built.
 """
 
 from typing import Any, Dict, Mapping, Optional
@@ -22,11 +24,15 @@ class Progress:
         value_pretrain (ValuePretraining): the pretraining phase (``max_steps`` 0: none).
         save_every_n_steps (Optional[int]): save after every N steps; None: not.
         save_every_n_epochs (Optional[int]): also save after every N epochs; None: not.
+        data_identity (Optional[Mapping[str, Any]]): what identifies the run's data (the
+            preflight's), saved with the counters; None: not recorded.
     """
 
     def __init__(self, *, num_ppo_steps: int, batches_per_epoch: int, value_pretrain: ValuePretraining,
-                 save_every_n_steps: Optional[int] = None, save_every_n_epochs: Optional[int] = None) -> None:
+                 save_every_n_steps: Optional[int] = None, save_every_n_epochs: Optional[int] = None,
+                 data_identity: Optional[Mapping[str, Any]] = None) -> None:
         self.num_ppo_steps, self.batches_per_epoch = num_ppo_steps, batches_per_epoch
+        self.data_identity = None if data_identity is None else dict(data_identity)
         self.value_pretrain = value_pretrain
         self.save_every_n_steps, self.save_every_n_epochs = save_every_n_steps, save_every_n_epochs
         self.steps_run = self.epochs_run = 0
@@ -90,8 +96,11 @@ class Progress:
         self.last_saved_step = step
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"steps_run": self.steps_run, "epochs_run": self.epochs_run,
-                "batches_run_in_epoch": self.batches_run_in_epoch, "value_pretrain": self.value_pretrain.state_dict()}
+        state = {"steps_run": self.steps_run, "epochs_run": self.epochs_run,
+                 "batches_run_in_epoch": self.batches_run_in_epoch, "value_pretrain": self.value_pretrain.state_dict()}
+        if self.data_identity is not None:  # checked on resume, by the preflight; never restored
+            state["data_identity"] = self.data_identity
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores a checkpoint's counters; the run is then saved at its step."""
