@@ -1,0 +1,734 @@
+"""Seeded bugs: how many realistic one-line bugs the test suite catches.
+
+Each entry of :data:`MUTATIONS` is one bug a developer could write (an off-by-one, a sign, a
+swapped argument, a dropped mask or clamp, a wrong constant, a forgotten restore on resume...):
+a snippet ``old`` of a file, which must occur exactly once in that file at the revision measured,
+and the ``new`` text that replaces it. For each one the tool writes the bug into a git worktree
+of that revision (never into the working tree it is run from: others may be editing and testing
+there), runs the tests, and puts the file back from git, also after an error or Ctrl-C.
+
+Usage::
+
+    python tools/seed_bugs.py --list                      # every mutation checked against HEAD, and its tests
+    python tools/seed_bugs.py --only gae-delta-gamma,sample-top-k-index
+    python tools/seed_bugs.py --tier targeted             # the measurement (background it: see below)
+    nohup python tools/seed_bugs.py --tier targeted > /tmp/seed_bugs.log 2>&1 &
+
+Tiers (``--tier``), the tests run against each mutant:
+
+- ``targeted`` (the default): every test file that imports the mutated module (found in the
+  AST of each test file: the module's dotted path, or its package and one of its names, also
+  through a test helper such as ``tests/twins/``; for the recipe, the files that import
+  ``ppo_full_finetune``), slow tests included, plus a fixed set that exercises the recipe
+  cheaply: ``tests/parity/test_recipe_pieces.py`` and the golden seeded run
+  ``tests/e2e/test_recipe.py::test_seeded_run_logs_the_recorded_metrics``. Unit files run
+  first, then parity, then end-to-end, so a caught mutant stops early.
+- ``fast``: the fast tier, ``-m "not slow"`` over ``tests/unit`` and ``tests/parity``.
+- ``all``: the whole suite.
+
+pytest runs with ``-x -q -p no:cacheprovider``, one thread (``OMP_NUM_THREADS=1``), no
+bytecode written (a mutant and its restored file may share a size and an mtime second), and
+``PYTHONPATH=<worktree>:<worktree>/recipes`` so that the worktree's package and recipe win over
+the editable install, in the tests' subprocesses (``tune run``, torchrun) too.
+
+What counts, per mutant:
+
+- ``caught``: a test failed (or errored, or the collection failed). Each caught mutant's first
+  failing test is run once more at the end on the unmutated worktree: one that fails there
+  too turns its mutants into ``error`` (``--no-confirm`` skips this).
+- ``missed``: every selected test passed.
+- ``timeout``: ``--timeout`` (900 s) ran out before any test failed; after a failure it is
+  ``caught``.
+- ``stale``: ``old`` is missing from the file, or occurs more than once: the list needs an
+  update, nothing was run. ``invalid``: the mutated file does not parse.
+- ``error``: pytest could not run (usage error, no tests collected), or see ``caught``.
+
+The summary is caught / applicable (everything but ``stale`` and ``invalid``), overall and by
+area (the recipe's wiring, ``recipes/ppo_full_finetune.py``, against the library); it goes to
+stdout and, with every mutant's line and its test selection, as JSON to ``--out``
+(``/tmp/seed_bugs.json``, rewritten after each mutant). Each mutant's pytest output is in
+``--logs`` (``/tmp/seed_bugs_logs/<id>.log``).
+
+How long: ``--list`` takes seconds. On 2 CPU cores a caught mutant costs from a few seconds
+(a unit test fails) to ~2 min (the golden run fails); a missed one runs its whole selection,
+1-10 min in ``targeted`` (the recipe's importing files hold the end-to-end resume tests). The
+whole ``targeted`` measurement of the 43 mutations took about 40-60 min there (see
+benchmarks/RESULTS.md for the last one); ``fast`` is ~1 min a mutant; ``all`` is the suite's
+time (20-35 min serially) for each missed mutant.
+"""
+
+import argparse
+import ast
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/ppo_full_finetune.py"
+# Cheap end-to-end coverage of the recipe, added to every targeted selection.
+FIXED_TESTS = (
+    "tests/parity/test_recipe_pieces.py",
+    "tests/e2e/test_recipe.py::test_seeded_run_logs_the_recorded_metrics",
+)
+PYTEST_FLAGS = ("-x", "-q", "-p", "no:cacheprovider")
+
+
+class Mutation(NamedTuple):
+    id: str
+    path: str
+    old: str
+    new: str
+    what: str
+
+
+M = Mutation
+MUTATIONS: Tuple[Mutation, ...] = (
+    # ---- the recipe's wiring -------------------------------------------------------------
+    M("recipe-pretrain-lmbda", RECIPE,
+      "settings = settings._replace(lmbda=self._progress.value_pretrain.lmbda)",
+      "settings = settings._replace(lmbda_actor=self._progress.value_pretrain.lmbda)",
+      "value pretraining's lambda set as the actor's lambda, so the critic's returns keep the config's lmbda"),
+    M("recipe-loss-kl-coeff", RECIPE,
+      "adv = estimate_advantages(trajectory, settings, kl_coeff=self._kl.value)",
+      "adv = estimate_advantages(trajectory, settings, kl_coeff=self._update._loss.kl_coeff)",
+      "the reward's KL penalty takes loss.kl_coeff (the loss term's, 0 by default) instead of the KL controller's value"),
+    M("recipe-kl-update-n", RECIPE,
+      'self._kl.update(metrics["kl"], n=self._rows_per_step)',
+      'self._kl.update(metrics["kl"], n=self._n)',
+      "the adaptive KL controller is told num_samples_per_prompt sequences instead of the step's rows"),
+    M("recipe-lr-schedule-length", RECIPE,
+      "lr_scheduler = config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=steps)",
+      "lr_scheduler = config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=cfg.num_ppo_steps)",
+      "the LR schedule is num_ppo_steps long, not num_ppo_steps x optimizer steps per PPO step"),
+    M("recipe-resume-skip-batches", RECIPE,
+      "for _ in range(progress_.batches_run_in_epoch):",
+      "for _ in range(progress_.batches_run_in_epoch - 1):",
+      "on resume one batch fewer is skipped: the last trained batch is trained again"),
+    M("recipe-sampler-epoch", RECIPE,
+      "self._sampler.set_epoch(progress_.epochs_run)",
+      "self._sampler.set_epoch(0)",
+      "the sampler's epoch is never advanced: every epoch sees the prompts in the same order"),
+    M("recipe-scoring-temperature", RECIPE,
+      "prompt_len=self._prompt_len, pad_id=self._tokenizer.pad_id, temperature=float(cfg.temperature),",
+      "prompt_len=self._prompt_len, pad_id=self._tokenizer.pad_id, temperature=1.0,",
+      "scoring (reference and policy logprobs) at temperature 1 whatever the sampling temperature"),
+    M("recipe-min-response-length", RECIPE,
+      "min_response_length=cfg.min_response_length,",
+      "min_response_length=None,",
+      "min_response_length is not passed to scoring: short responses are never penalised"),
+    M("recipe-critic-warmup", RECIPE,
+      "critic_warmup_steps=cfg.critic_warmup_steps,",
+      "critic_warmup_steps=0,",
+      "critic_warmup_steps is not passed to the update: the policy trains from step 1"),
+    M("recipe-clip-grad-norm", RECIPE,
+      "clip_grad_norm=cfg.clip_grad_norm, optimizer_in_bwd=cfg.optimizer_in_bwd,",
+      "clip_grad_norm=None, optimizer_in_bwd=cfg.optimizer_in_bwd,",
+      "clip_grad_norm is not passed to the update: gradients are never clipped"),
+    M("recipe-rng-restore", RECIPE,
+      'self._pending_rng_state = state["rng"]',
+      "self._pending_rng_state = None",
+      "a resume never restores the saved random states"),
+    M("recipe-rows-per-step", RECIPE,
+      "self._rows_per_step = cfg.batch_size * self._n",
+      "self._rows_per_step = cfg.batch_size",
+      "rows per step forget the n samples per prompt (the update's batch, the LR schedule, the KL controller)"),
+    M("recipe-pretrain-updates-policy", RECIPE,
+      "value_pretrain=pretraining)",
+      "value_pretrain=False)",
+      "a value pretraining step runs as a PPO update: the policy trains and the LR schedule steps"),
+    # ---- rlhf/: the PPO math -------------------------------------------------------------
+    M("rewards-kl-mask", "torchtune_ppo/rlhf/rewards.py",
+      "kl = kl_estimate(logprobs, ref_logprobs, kl_estimator) * masks",
+      "kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)",
+      "the per-token KL penalty is not masked: tokens after the stop token are penalised"),
+    M("rewards-whiten-biased-var", "torchtune_ppo/rlhf/rewards.py",
+      "var = centered.pow(2).sum() / (n - 1).clamp(min=1.0)",
+      "var = centered.pow(2).sum() / n.clamp(min=1.0)",
+      "whitening divides by the biased variance (n, not n - 1) on one process"),
+    M("rewards-gae-delta-gamma", "torchtune_ppo/rlhf/rewards.py",
+      "delta = rewards[:, t] + gamma * next_value - values[:, t]",
+      "delta = rewards[:, t] + next_value - values[:, t]",
+      "GAE's TD error does not discount the next value"),
+    M("rewards-rloo-factor", "torchtune_ppo/rlhf/rewards.py",
+      "out = centred * (n / (n - 1))",
+      "out = centred * ((n - 1) / n)",
+      "RLOO's leave-one-out factor inverted: (n - 1) / n instead of n / (n - 1)"),
+    M("loss-clip-sides-swapped", "torchtune_ppo/rlhf/loss.py",
+      "clipped_ratios = torch.clamp(ratios, 1.0 - low, 1.0 + high)",
+      "clipped_ratios = torch.clamp(ratios, 1.0 - high, 1.0 + low)",
+      "clip-higher's epsilon_low and epsilon_high swapped"),
+    M("loss-value-clip-dropped", "torchtune_ppo/rlhf/loss.py",
+      "value_losses = torch.maximum((phi_values - returns) ** 2, (values_clipped - returns) ** 2)",
+      "value_losses = (phi_values - returns) ** 2",
+      "the value loss is never clipped"),
+    M("loss-token-mean-sum", "torchtune_ppo/rlhf/loss.py",
+      "return 1.0 / (grad_accum * max(micro_batch_tokens, 1))",
+      "return 1.0 / max(micro_batch_tokens, 1)",
+      "token-mean sums its micro-batches' means instead of averaging them (grad_accum forgotten)"),
+    M("kl-k3-direction", "torchtune_ppo/rlhf/kl.py",
+      "log_ratio = ref_logprobs - logprobs",
+      "log_ratio = logprobs - ref_logprobs",
+      "the reward's k3 estimator takes log(pi / ref) instead of log(ref / pi)"),
+    M("kl-straight-through-detach", "torchtune_ppo/rlhf/kl.py",
+      "return k2 - k2.detach() + value(logprobs.detach())",
+      "return k2 - k2.detach() + value(logprobs)",
+      "the straight-through KL loss (k1+, k3+) adds the value's gradient to k2's"),
+    M("seq-stop-token-masked", "torchtune_ppo/rlhf/sequence_processing.py",
+      "padding_masks = (seen > 1) | ((seen == 1) & ~is_stop)",
+      "padding_masks = seen >= 1",
+      "truncation masks the stop token itself"),
+    M("seq-logprob-temperature", "torchtune_ppo/rlhf/sequence_processing.py",
+      ':func:`chunked_logprobs`): float32 ``[n]``."""\n    logits = output(hidden).float() / temperature',
+      ':func:`chunked_logprobs`): float32 ``[n]``."""\n    logits = output(hidden).float()',
+      "the logprob reads of scoring ignore the temperature"),
+    M("corr-tis-clamp", "torchtune_ppo/rlhf/correction.py",
+      "weights = torch.exp(log_ratio.clamp(max=log_c))",
+      "weights = torch.exp(log_ratio.clamp(min=-log_c, max=log_c))",
+      "TIS truncates small ratios too (at 1 / C), not only those above C"),
+    M("corr-mis-abs", "torchtune_ppo/rlhf/correction.py",
+      "hit = log_ratio.abs() > log_c",
+      "hit = log_ratio > log_c",
+      "MIS masks only ratios above C, not those below 1 / C"),
+    # ---- ppo/: advantages, update, value pretraining, KL controller ------------------------
+    M("adv-group-uses-scores", "torchtune_ppo/ppo/advantages.py",
+      "per_row = rlhf.group_baseline(rewards.sum(-1), s.num_samples_per_prompt, estimator)",
+      "per_row = rlhf.group_baseline(trajectory.scores, s.num_samples_per_prompt, estimator)",
+      "group baselines on the raw scores: the KL penalty is left out of critic-free advantages"),
+    M("update-warmup-comparison", "torchtune_ppo/ppo/update.py",
+      "if value_pretrain or step <= self.critic_warmup_steps:",
+      "if value_pretrain or step < self.critic_warmup_steps:",
+      "critic warm-up ends one step early (< for <=)"),
+    M("update-clip-policy-only", "torchtune_ppo/ppo/update.py",
+      "params = chain(*(m.parameters() for m in (self.policy_model, self.value_model) if m is not None))",
+      "params = self.policy_model.parameters()",
+      "the gradient norm is clipped (and checked for finiteness) over the policy only, not the value model"),
+    M("update-no-shuffle", "torchtune_ppo/ppo/update.py",
+      "order = torch.randperm(self._batch_size, device=trajectory.scores.device).tolist()",
+      "order = list(range(self._batch_size))",
+      "minibatches are never shuffled: every PPO epoch takes the rows in the same order"),
+    M("vp-max-steps-off-by-one", "torchtune_ppo/ppo/value_pretrain.py",
+      "self.done = self.done or self.steps_run >= self.max_steps",
+      "self.done = self.done or self.steps_run > self.max_steps",
+      "value pretraining runs max_steps + 1 steps (> for >=)"),
+    M("klctl-clip-dropped", "torchtune_ppo/ppo/kl.py",
+      "error = min(max(kl / self.target - 1.0, -0.2), 0.2)",
+      "error = kl / self.target - 1.0",
+      "the adaptive KL controller's error is not clipped to [-0.2, 0.2]"),
+    # ---- rollout/: sampling and generation ------------------------------------------------
+    M("sample-top-p-off-by-one", "torchtune_ppo/rollout/sampling.py",
+      "drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p",
+      "drop = torch.cumsum(sorted_probs, dim=-1) > top_p",
+      "top-p drops the token whose probability crosses top_p (the nucleus one token short)"),
+    M("sample-top-k-index", "torchtune_ppo/rollout/sampling.py",
+      "token = choice if cand_idx is None else cand_idx.gather(-1, choice[:, None])[:, 0]",
+      "token = choice",
+      "with top-k the position among the candidates is returned, not the vocabulary id"),
+    M("gen-decode-position", "torchtune_ppo/rollout/generation.py",
+      "inp.decode_pos.copy_(inp.prompt_lens[:, None])",
+      "inp.decode_pos.fill_(P)",
+      "the first response token's position is the padded prompt width, not the prompt's real length"),
+    # ---- checkpointing/ ------------------------------------------------------------------
+    M("store-prune-keeps-oldest", "torchtune_ppo/checkpointing/store.py",
+      "kept = {p for _, p in complete[-self.keep_last_n:]} | {keep}",
+      "kept = {p for _, p in complete[:self.keep_last_n]} | {keep}",
+      "pruning keeps the oldest keep_last_n checkpoints instead of the newest"),
+    M("store-set-aside-chosen", "torchtune_ppo/checkpointing/store.py",
+      "if m is not None and p.is_dir() and int(m.group(1)) > floor:",
+      "if m is not None and p.is_dir() and int(m.group(1)) >= floor:",
+      "a resume sets aside the checkpoint it resumes from along with the damaged newer ones (>= for >)"),
+    M("state-torch-rng-restore", "torchtune_ppo/checkpointing/training_state.py",
+      'torch.set_rng_state(state["torch"])',
+      "pass",
+      "a resume does not restore torch's global random state (minibatch shuffling)"),
+    M("state-scheduler-restore", "torchtune_ppo/checkpointing/training_state.py",
+      'self.lr_scheduler.load_state_dict(state["lr_scheduler"])',
+      "pass",
+      "a resume does not restore the LR scheduler: the schedule starts over"),
+    M("resume-nested-must-match", "torchtune_ppo/checkpointing/resume_config.py",
+      'return any(key == p or key.startswith(p + ".") for p in patterns)',
+      "return any(key == p for p in patterns)",
+      "a key under a must-match block (dataset.data_files, optimizer._component_) may change on resume"),
+    # ---- run/: progress and guards --------------------------------------------------------
+    M("progress-epoch-save", "torchtune_ppo/run/progress.py",
+      "and (self.epochs_run + 1) % self.save_every_n_epochs == 0)",
+      "and self.epochs_run % self.save_every_n_epochs == 0)",
+      "save_every_n_epochs counts epochs from 0: it saves after epoch 1, then every N from there, one early"),
+    M("progress-epoch-reset", "torchtune_ppo/run/progress.py",
+      "self.epochs_run += 1\n        self.batches_run_in_epoch = 0",
+      "self.epochs_run += 1",
+      "the batch counter is not reset at an epoch's end (data position and the epoch save rule)"),
+    M("guards-never-reset", "torchtune_ppo/run/guards.py",
+      "self.consecutive = self.consecutive + 1 if skipped else 0",
+      "self.consecutive += skipped",
+      "consecutive skipped steps are never reset by a good step: they add up over the run"),
+)
+del M
+
+
+# ---- reading a revision ------------------------------------------------------------------
+
+def git(*args: str, cwd: Path = ROOT, check: bool = True) -> str:
+    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise SystemExit(f"git {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+class Tree:
+    """The files of one revision: a worktree's, or read from git (``--list``)."""
+
+    def __init__(self, rev: str, worktree: Optional[Path] = None) -> None:
+        self.rev, self.worktree = rev, worktree
+        self._cache: Dict[str, Optional[str]] = {}
+        self._trees: Dict[str, Optional[ast.AST]] = {}
+        self._tests: Dict[str, List[str]] = {}
+
+    def read(self, path: str) -> Optional[str]:
+        if path not in self._cache:
+            if self.worktree is not None:
+                p = self.worktree / path
+                self._cache[path] = p.read_text() if p.is_file() else None
+            else:
+                proc = subprocess.run(["git", "show", f"{self.rev}:{path}"], cwd=ROOT, capture_output=True)
+                self._cache[path] = proc.stdout.decode() if proc.returncode == 0 else None
+        return self._cache[path]
+
+    def parse(self, path: str) -> Optional[ast.AST]:
+        if path not in self._trees:
+            try:
+                self._trees[path] = ast.parse(self.read(path) or "")
+            except SyntaxError:
+                self._trees[path] = None
+        return self._trees[path]
+
+    def files(self, folder: str) -> List[str]:
+        out = git("ls-tree", "-r", "--name-only", self.rev, "--", folder)
+        return sorted(p for p in out.splitlines() if p.endswith(".py"))
+
+
+def check_mutation(m: Mutation, tree: Tree) -> Tuple[str, str]:
+    """``(status, detail)``: ``ok``, ``stale`` (``old`` missing or not unique) or ``invalid``
+    (the mutated file does not parse)."""
+    text = tree.read(m.path)
+    if text is None:
+        return "stale", f"{m.path} does not exist"
+    count = text.count(m.old)
+    if count != 1:
+        return "stale", "old snippet missing" if count == 0 else f"old snippet occurs {count} times"
+    if m.old == m.new:
+        return "invalid", "new equals old"
+    try:
+        ast.parse(text.replace(m.old, m.new))
+    except SyntaxError as e:
+        return "invalid", f"the mutated file does not parse: {e}"
+    return "ok", ""
+
+
+# ---- which tests import a module --------------------------------------------------------
+
+def module_of(path: str) -> str:
+    """The dotted module a file is imported as (the recipe is the top-level ``ppo_full_finetune``)."""
+    if path == RECIPE:
+        return "ppo_full_finetune"
+    return path[: -len(".py")].replace("/", ".").removesuffix(".__init__")
+
+
+def top_level_names(source: str) -> Set[str]:
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names - {"log", "__all__"}
+
+
+def refers_to(tree: Optional[ast.AST], dotted: str, names: Set[str], strings: bool = True) -> bool:
+    """Whether a test file (its AST) imports module ``dotted``: by its path, ``from <package>
+    import <one of its names>``, or ``<package alias>.<one of its names>``; with ``strings`` also
+    a string naming it or something in it (a monkeypatch target such as ``"pkg.mod.name"``)."""
+    if tree is None:
+        return False
+    pkg, _, base = dotted.rpartition(".")
+    aliases = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if node.module == dotted or full == dotted or node.module.startswith(dotted + "."):
+                    return True
+                if pkg and node.module == pkg and a.name in names:
+                    return True
+                if pkg and full == pkg:
+                    aliases.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == dotted or a.name.startswith(dotted + "."):
+                    return True
+                if pkg and a.name == pkg and a.asname:
+                    aliases.add(a.asname)
+        elif (strings and isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and (node.value == dotted or node.value.startswith(dotted + "."))):
+            return True
+    return any(isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+               and (node.attr in names or node.attr == base) for node in ast.walk(tree))
+
+
+def helper_module(path: str) -> Optional[str]:
+    """The name a test helper is imported as (``tests/twins/rlhf.py`` -> ``twins.rlhf``)."""
+    rel = path[len("tests/"):-len(".py")]
+    name = Path(path).name
+    if name.startswith("test_") or name == "conftest.py":
+        return None
+    return rel.replace("/", ".").removesuffix(".__init__")
+
+
+def importing_tests(tree: Tree, path: str) -> List[str]:
+    """Test files that import the module at ``path``, directly or through test helpers."""
+    if path in tree._tests:
+        return tree._tests[path]
+    dotted, names = module_of(path), top_level_names(tree.read(path) or "")
+    test_files = tree.files("tests")
+    # the recipe: only the files that import it (every end-to-end test names it in `tune run`)
+    hits = {f for f in test_files if refers_to(tree.parse(f), dotted, names, strings=path != RECIPE)}
+    # helpers one level at a time, until nothing new (twins.loss_step imports twins.rlhf)
+    frontier, seen = {f for f in hits if helper_module(f)}, set()
+    while frontier:
+        seen |= frontier
+        new = set()
+        for helper in frontier:
+            hmod, hnames = helper_module(helper), top_level_names(tree.read(helper) or "")
+            new |= {f for f in test_files if f not in hits and refers_to(tree.parse(f), hmod, hnames, strings=False)}
+        hits |= new
+        frontier = {f for f in new if helper_module(f)} - seen
+    tree._tests[path] = sorted(f for f in hits if Path(f).name.startswith("test_"))
+    return tree._tests[path]
+
+
+def _order(item: str) -> Tuple[int, int, str]:
+    path = item.split("::")[0]
+    rank = next((i for i, d in enumerate(("tests/unit/", "tests/parity/", "tests/e2e/")) if path.startswith(d)), 3)
+    return rank, 0 if "::" in item else 1, item  # a single end-to-end test before whole files
+
+
+def selection(tree: Tree, m: Mutation, tier: str) -> List[str]:
+    """The pytest arguments that select the tests run against mutant ``m``."""
+    if tier == "fast":
+        return ["-m", "not slow", "tests/unit", "tests/parity"]
+    if tier == "all":
+        return ["tests"]
+    files = importing_tests(tree, m.path)
+    items = set(files)
+    for fixed in FIXED_TESTS:
+        if fixed.split("::")[0] not in items:
+            items.add(fixed)
+    return sorted(items, key=_order)
+
+
+# ---- running ------------------------------------------------------------------------------
+
+PLUGIN = '''\
+"""Records each failing test (and failed collection) as it happens: a timeout after a failure
+still counts the mutant as caught, with its first failing test."""
+import os
+
+
+def _record(nodeid):
+    with open(os.environ["SEED_BUGS_FAILED"], "a") as f:
+        f.write(nodeid + "\\n")
+
+
+def pytest_runtest_logreport(report):
+    if report.failed:
+        _record(report.nodeid)
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        _record("collecting " + (report.nodeid or "tests"))
+'''
+
+
+class Run(NamedTuple):
+    rc: Optional[int]  # None: timed out
+    seconds: float
+    failures: List[str]
+
+
+class Runner:
+    """Runs pytest in the worktree, one process group per run, killed on timeout or Ctrl-C."""
+
+    def __init__(self, worktree: Path, plugin_dir: Path, logs: Path) -> None:
+        self.worktree, self.logs = worktree, logs
+        self.failed_file = plugin_dir / "failed.txt"
+        env = dict(os.environ)
+        env.pop("PYTEST_ADDOPTS", None)
+        env.update(
+            PYTHONPATH=os.pathsep.join([str(worktree), str(worktree / "recipes"), str(plugin_dir)]),
+            OMP_NUM_THREADS="1",
+            PYTHONDONTWRITEBYTECODE="1",
+            SEED_BUGS_FAILED=str(self.failed_file),
+        )
+        self.env = env
+
+    def check_imports(self) -> None:
+        """The worktree's package and recipe must be the ones imported, not the editable install's."""
+        code = "import torchtune_ppo, ppo_full_finetune; print(torchtune_ppo.__file__); print(ppo_full_finetune.__file__)"
+        out = subprocess.run([sys.executable, "-c", code], cwd=self.worktree, env=self.env,
+                             capture_output=True, text=True)
+        paths = out.stdout.split()
+        if out.returncode != 0 or len(paths) != 2 or not all(
+                Path(p).resolve().is_relative_to(self.worktree.resolve()) for p in paths):
+            raise SystemExit(f"the worktree's code is not the one imported: {out.stdout}{out.stderr[-2000:]}")
+
+    def pytest(self, args: Sequence[str], timeout: float, log_name: str, exitfirst: bool = True) -> Run:
+        flags = PYTEST_FLAGS if exitfirst else PYTEST_FLAGS[1:]
+        cmd = [sys.executable, "-m", "pytest", *flags, "-p", "_seed_bugs_plugin", *args]
+        self.failed_file.write_text("")
+        self.logs.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        with open(self.logs / f"{log_name}.log", "w") as log:
+            log.write(" ".join(cmd) + "\n\n")
+            log.flush()
+            proc = subprocess.Popen(cmd, cwd=self.worktree, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                rc: Optional[int] = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:
+                _kill_group(proc)
+        failures = [line for line in self.failed_file.read_text().splitlines() if line]
+        return Run(rc, time.monotonic() - start, failures)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Ends the pytest process and everything it started (``tune run``, torchrun), if still there."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL also for stragglers that outlive pytest
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def classify(run: Run) -> str:
+    if run.rc is None:
+        return "caught" if run.failures else "timeout"
+    if run.rc == 0:
+        return "missed"
+    if run.rc in (1, 2) or run.failures:  # failed tests, or errors during collection
+        return "caught"
+    return "error"
+
+
+class Worktree:
+    """``git worktree add --detach <path> <rev>``, removed on exit."""
+
+    def __init__(self, path: Path, rev: str, keep: bool = False) -> None:
+        self.path, self.rev, self.keep = path, rev, keep
+
+    def __enter__(self) -> Path:
+        git("worktree", "prune")
+        listed = [line.split(" ", 1)[1] for line in git("worktree", "list", "--porcelain").splitlines()
+                  if line.startswith("worktree ")]
+        if self.path.exists():
+            if str(self.path.resolve()) not in {str(Path(p).resolve()) for p in listed}:
+                raise SystemExit(f"{self.path} exists and is not a worktree of {ROOT}: remove it or pass --worktree")
+            git("worktree", "remove", "--force", str(self.path))
+        git("worktree", "add", "--detach", str(self.path), self.rev)
+        return self.path
+
+    def __exit__(self, *exc) -> None:
+        if not self.keep and self.path.exists():
+            git("worktree", "remove", "--force", str(self.path), check=False)
+            shutil.rmtree(self.path, ignore_errors=True)
+            git("worktree", "prune", check=False)
+
+
+def apply_and_test(m: Mutation, worktree: Path, runner: Runner, args: Sequence[str], timeout: float) -> Run:
+    """Writes the bug, runs the tests, and puts the file back from git whatever happens."""
+    target = worktree / m.path
+    original = target.read_bytes()
+    try:
+        target.write_text(original.decode().replace(m.old, m.new, 1))
+        return runner.pytest(args, timeout, m.id)
+    finally:
+        git("-C", str(worktree), "checkout", "--", m.path, check=False)
+        if target.read_bytes() != original:
+            target.write_bytes(original)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _cpu() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "")
+    except OSError:
+        return ""
+
+
+def area(m: Mutation) -> str:
+    return "recipe" if m.path == RECIPE else "library"
+
+
+def summarize(results: List[dict]) -> dict:
+    def part(rows):
+        applicable = [r for r in rows if r["status"] not in ("stale", "invalid")]
+        caught = sum(r["status"] == "caught" for r in applicable)
+        return {"caught": caught, "applicable": len(applicable),
+                "percent": round(100.0 * caught / len(applicable), 1) if applicable else None,
+                **{s: sum(r["status"] == s for r in rows)
+                   for s in ("missed", "timeout", "error", "stale", "invalid")}}
+    return {"all": part(results), "recipe": part([r for r in results if r["area"] == "recipe"]),
+            "library": part([r for r in results if r["area"] == "library"])}
+
+
+def _line(r: dict) -> str:
+    first = f"  <- {r['first_failure']}" if r.get("first_failure") else ""
+    detail = f" ({r['detail']})" if r.get("detail") else ""
+    return f"{r['status']:<8}{r['seconds']:>6.0f}s  {r['id']:<32} {r['path']:<44} {r['what']}{detail}{first}"
+
+
+def _summary_lines(s: dict) -> List[str]:
+    out = []
+    for name in ("all", "recipe", "library"):
+        p = s[name]
+        pct = "n/a" if p["percent"] is None else f"{p['percent']:.1f}%"
+        extra = ", ".join(f"{k} {p[k]}" for k in ("missed", "timeout", "error", "stale", "invalid") if p[k])
+        out.append(f"{name:<8} caught {p['caught']}/{p['applicable']} = {pct}" + (f" ({extra})" if extra else ""))
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tier", choices=("fast", "targeted", "all"), default="targeted")
+    parser.add_argument("--only", default="", help="comma-separated mutation ids")
+    parser.add_argument("--list", action="store_true", help="check every mutation against the revision, run nothing")
+    parser.add_argument("--rev", default="HEAD", help="the revision measured (default HEAD)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant (default 900)")
+    parser.add_argument("--out", default="/tmp/seed_bugs.json")
+    parser.add_argument("--logs", default="/tmp/seed_bugs_logs", help="each mutant's pytest output")
+    parser.add_argument("--worktree", default="/tmp/seedwt")
+    parser.add_argument("--keep-worktree", action="store_true")
+    parser.add_argument("--no-confirm", action="store_true",
+                        help="do not rerun the first failing tests on the unmutated worktree")
+    args = parser.parse_args(argv)
+
+    chosen = list(MUTATIONS)
+    ids = [m.id for m in MUTATIONS]
+    if len(set(ids)) != len(ids):
+        raise SystemExit("duplicate mutation ids")
+    if args.only:
+        wanted = [i.strip() for i in args.only.split(",") if i.strip()]
+        unknown = [i for i in wanted if i not in ids]
+        if unknown:
+            raise SystemExit(f"unknown mutation ids: {unknown}; --list shows them")
+        chosen = [m for m in MUTATIONS if m.id in wanted]
+
+    rev = git("rev-parse", "--short", args.rev).strip()
+    if args.list:
+        tree, bad = Tree(rev), 0
+        for m in chosen:
+            status, detail = check_mutation(m, tree)
+            bad += status != "ok"
+            sel = selection(tree, m, args.tier)
+            print(f"{status:<8}{m.id:<32} {m.path:<44} {m.what}" + (f" ({detail})" if detail else ""))
+            print(f"{'':8}tests: {' '.join(sel)}")
+        print(f"{len(chosen)} mutations at {rev} ({sum(area(m) == 'recipe' for m in chosen)} in the recipe), "
+              f"{bad} stale or invalid")
+        return 1 if bad else 0
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
+    started, t0 = datetime.datetime.now().isoformat(timespec="seconds"), time.monotonic()
+    results: List[dict] = []
+    report = {"rev": rev, "tier": args.tier, "started": started, "cpu": _cpu(), "timeout_s": args.timeout,
+              "command": " ".join(["python tools/seed_bugs.py", *(sys.argv[1:] if argv is None else argv)]),
+              "mutants": results}
+
+    def write_out(done: bool) -> None:
+        report.update(seconds=round(time.monotonic() - t0, 1), complete=done, summary=summarize(results))
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+    plugin_dir = Path(tempfile.mkdtemp(prefix="seed_bugs_plugin_"))
+    (plugin_dir / "_seed_bugs_plugin.py").write_text(PLUGIN)
+    interrupted = False
+    try:
+        with Worktree(Path(args.worktree), rev, keep=args.keep_worktree) as wt:
+            tree = Tree(rev, wt)
+            runner = Runner(wt, plugin_dir, Path(args.logs))
+            runner.check_imports()
+            print(f"seed_bugs: {len(chosen)} mutations at {rev}, tier {args.tier}, worktree {wt}", flush=True)
+            try:
+                for m in chosen:
+                    status, detail = check_mutation(m, tree)
+                    row = {"id": m.id, "path": m.path, "area": area(m), "what": m.what, "status": status,
+                           "detail": detail, "seconds": 0.0, "first_failure": None, "tests": []}
+                    if status == "ok":
+                        row["tests"] = selection(tree, m, args.tier)
+                        run = apply_and_test(m, wt, runner, row["tests"], args.timeout)
+                        row.update(status=classify(run), seconds=round(run.seconds, 1), rc=run.rc,
+                                   first_failure=run.failures[0] if run.failures else None,
+                                   log=str(Path(args.logs) / f"{m.id}.log"))
+                    results.append(row)
+                    print(_line(row), flush=True)
+                    write_out(False)
+                if not args.no_confirm:
+                    confirm(results, runner, args.timeout)
+            except KeyboardInterrupt:
+                interrupted = True
+                print("interrupted: the results so far follow", flush=True)
+    finally:
+        shutil.rmtree(plugin_dir, ignore_errors=True)
+        write_out(not interrupted)
+    print(f"\n{rev}, tier {args.tier}, {time.monotonic() - t0:.0f} s; caught / applicable:")
+    for line in _summary_lines(report["summary"]):
+        print("  " + line)
+    missed = [r for r in results if r["status"] in ("missed", "timeout", "error")]
+    if missed:
+        print("not caught:")
+        for r in missed:
+            print(f"  {r['status']:<8}{r['id']:<32} {r['path']}: {r['what']}")
+    print(f"JSON: {args.out}")
+    return 130 if interrupted else 0
+
+
+def confirm(results: List[dict], runner: Runner, timeout: float) -> None:
+    """Runs each caught mutant's first failing test on the unmutated worktree: one that fails
+    there too proves nothing about the mutant, which becomes ``error``."""
+    tests = sorted({r["first_failure"] for r in results
+                    if r["status"] == "caught" and r["first_failure"] and not r["first_failure"].startswith("collecting")})
+    if not tests:
+        return
+    print(f"confirming: {len(tests)} first failing tests on the unmutated worktree", flush=True)
+    run = runner.pytest(tests, timeout * 2, "_unmutated", exitfirst=False)
+    broken = set(run.failures)
+    if run.rc is None:
+        print(f"  the unmutated run timed out after {run.seconds:.0f} s: nothing confirmed", flush=True)
+    for r in results:
+        if r["status"] == "caught" and r["first_failure"] in broken:
+            r.update(status="error", detail=f"{r['first_failure']} fails unmutated too")
+            print(f"  {r['id']}: {r['first_failure']} fails unmutated too -> error", flush=True)
+    print(f"  done in {run.seconds:.0f} s, {len(broken)} of {len(tests)} failing unmutated", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
