@@ -97,7 +97,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             max_prompt_len=self._prompt_len, pad_id=self._tokenizer.pad_id, long_prompts=cfg.long_prompts)
         self._progress = Progress(
             num_ppo_steps=cfg.num_ppo_steps, batches_per_epoch=len(self._dataloader),
-            value_pretrain=ValuePretraining.from_config(cfg.value_pretrain),
+            value_pretrain=ValuePretraining.from_config(cfg.value_pretrain), data_identity=checked.data_identity,
             save_every_n_steps=cfg.save_every_n_steps, save_every_n_epochs=cfg.save_every_n_epochs)
         regions = compiling.regions(cfg.compile, world_size=self._world_size, device=self._device)
         log.info(f"Compiled regions: {CompileConfig(**cfg.compile)}")

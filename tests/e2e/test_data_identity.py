@@ -32,11 +32,6 @@ def _steps(out):
     return sorted(int(p.name[5:]) for p in (out / store.CHECKPOINTS_DIRNAME).glob("step_*"))
 
 
-# The preflight computes the identity (Preflight.data_identity) and Progress saves it in its state,
-# but the recipe does not yet hand it to Progress(data_identity=...) and CheckpointClient.save
-# keeps only the counters of the progress state: until both do, no checkpoint records it.
-@pytest.mark.xfail(strict=True, raises=KeyError, reason="the recipe and CheckpointClient.save do not yet "
-                   "carry the preflight's data identity into training_state.pt")
 def test_an_edited_data_file_stops_the_resume_unless_accepted(tmp_path):
     with open(torchtune_ppo.asset_path("tiny_sentiment/prompts.json")) as f:
         records = json.load(f)[:20]  # 2 batches of 8 per epoch

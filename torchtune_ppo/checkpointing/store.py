@@ -696,7 +696,8 @@ def _require_complete(checkpoint: Union[str, Path]) -> Path:
     return checkpoint
 
 
-def load_training_state(checkpoint: Union[str, Path], *, weights_only: bool = True) -> Dict[str, Any]:
+def load_training_state(checkpoint: Union[str, Path], *, weights_only: bool = True,
+                        mmap: bool = False) -> Dict[str, Any]:
     """The ``training_state`` dict given to :meth:`CheckpointManager.save`, on CPU.
 
     Args:
@@ -704,6 +705,9 @@ def load_training_state(checkpoint: Union[str, Path], *, weights_only: bool = Tr
         weights_only (bool): kept for callers; the file is always loaded with
             ``weights_only=True`` (tensors, containers and Python scalars, including
             ``random.getstate()``): a checkpoint is data, never code.
+        mmap (bool): map the tensors from the file instead of reading them, for a look at the
+            plain entries (counters, data identity) that costs no read of the optimizer state;
+            never for tensors that will be trained in place.
 
     Returns:
         Dict[str, Any]: the saved dict.
@@ -715,7 +719,7 @@ def load_training_state(checkpoint: Union[str, Path], *, weights_only: bool = Tr
     checkpoint = _require_complete(checkpoint)
     path = checkpoint / TRAINING_STATE_FNAME
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - torch's own message would advise unsafe loading
         first = (str(e).splitlines() or [""])[0]
         what = "not plain data" if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e) else first

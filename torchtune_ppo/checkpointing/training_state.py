@@ -130,6 +130,8 @@ class CheckpointClient:
             **{k: progress[k] for k in PROGRESS_KEYS},
             # value pretraining's steps, loss record and whether it is over (plain data)
             **({"value_pretrain": dict(progress["value_pretrain"])} if "value_pretrain" in progress else {}),
+            # what identifies the data (files, sizes, sha256, rows): a resume over other data is refused
+            **({"data_identity": progress["data_identity"]} if progress.get("data_identity") is not None else {}),
             "skipped_steps": self.skipped_steps.state_dict(),
             **({} if self.kl_controller is None else {"kl_controller": self.kl_controller.state_dict()}),
             **({} if self.master_weights is None else {"master_weights": self.master_weights.state_dict()}),

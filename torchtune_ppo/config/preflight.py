@@ -101,7 +101,7 @@ def check_data_unchanged(resume_from: str, identity: Dict[str, Any], cfg: DictCo
     """Refuses a resume whose data differ from the checkpoint's (see
     :func:`~torchtune_ppo.data.identity.check_resumed_data`); ``resume_accept_data_change``
     makes it a warning. A checkpoint that recorded no identity resumes with a note."""
-    state = checkpointing.load_training_state(resume_from)
+    state = checkpointing.load_training_state(resume_from, mmap=True)  # no read of the optimizer state
     position = f"epoch {int(state['epochs_run']) + 1}, {int(state['batches_run_in_epoch'])} batches in"
     saved = state.get("data_identity")
     del state  # the optimizer state in it is loaded again, where the run restores it
