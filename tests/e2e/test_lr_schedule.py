@@ -1,8 +1,10 @@
 """The LR scheduler steps after the optimizer, seen in the saved weights: with a warm-up whose
-first LR is 0, the first update must leave every weight as it was.
+first LR is 0, the first update must leave every weight as it was. The schedule is built for
+the optimizer steps the run takes, also when each prompt is sampled several times
+(``num_samples_per_prompt``: a step has ``batch_size * n`` responses to split into minibatches).
 
 Runs the recipe in-process on the tiny task through its public steps (``setup``, ``train``,
-the checkpoints it saves), 2 PPO steps of one optimizer update each.
+the checkpoints it saves), 2 PPO steps of one or two optimizer updates each.
 """
 
 from pathlib import Path
@@ -38,11 +40,22 @@ def _changed(a, b):
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def test_first_update_at_warmup_lr_zero_leaves_the_weights(tmp_path):
+# ``overrides`` and the optimizer updates U they give a PPO step; the run's 2 steps take 2U.
+SAMPLING = {
+    # one minibatch of the whole batch of 8 responses
+    "one_sample": ([], 1),
+    # 4 prompts x 2 samples = 8 responses, minibatches of 4 responses
+    "two_samples": (["batch_size=4", "num_samples_per_prompt=2", "ppo_batch_size=4"], 2),
+}
+
+
+@pytest.mark.parametrize("sampling", SAMPLING)
+def test_first_update_at_warmup_lr_zero_leaves_the_weights(tmp_path, sampling):
     from ppo_full_finetune import PPOFullFinetuneRecipe
 
-    cfg = OmegaConf.merge(OmegaConf.load(CONFIG),
-                          OmegaConf.from_dotlist([f"output_dir={tmp_path / 'run'}", *ONE_UPDATE_A_STEP]))
+    overrides, updates = SAMPLING[sampling]
+    cfg = OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(
+        [f"output_dir={tmp_path / 'run'}", *ONE_UPDATE_A_STEP, *overrides]))
     cfg = validate_config(cfg)
     recipe = PPOFullFinetuneRecipe(cfg)
     recipe.setup(cfg)
@@ -52,11 +65,19 @@ def test_first_update_at_warmup_lr_zero_leaves_the_weights(tmp_path):
     finally:
         recipe.cleanup()
     base = float(cfg.optimizer.lr)
-    # logged after each step's update: the scheduler moved on from 0 to the base LR, then the
-    # cosine's end (2 of 2 optimizer steps)
-    assert lrs == [pytest.approx(base, rel=1e-6), pytest.approx(0.0, abs=1e-12)]
+    # logged after each step's U updates: the cosine over N = 2U optimizer steps with 1 of
+    # warm-up is at 0.5 (1 + cos(pi (U - 1) / (N - 1))): 1 for U = 1, 0.75 for U = 2; then at its
+    # end, 0. A schedule built for another number of steps would be elsewhere at both.
+    first = {1: 1.0, 2: 0.75}[updates]
+    assert lrs == [pytest.approx(base * first, rel=1e-6), pytest.approx(0.0, abs=1e-12)]
 
     root = tmp_path / "run" / checkpointing.CHECKPOINTS_DIRNAME
+    state = checkpointing.load_training_state(root / "step_2")
+    # the scheduler stepped once per optimizer step, and the optimizer took 2U of them
+    assert state["lr_scheduler"]["last_epoch"] == 2 * updates
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {2 * updates}
+    if updates > 1:  # the second update of step 1 ran at the base LR: the weights moved
+        return
     for model, asset in STARTING.items():
         start = _weights(torchtune_ppo.asset_path(asset))
         after_1, after_2 = _weights(root / "step_1" / model), _weights(root / "step_2" / model)
