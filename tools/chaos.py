@@ -10,7 +10,13 @@ checkpoint by the next attempt:
 - ``sigterm``: SIGTERM at a random moment (the run finishes its step, saves, exits 143);
 - ``reward_raises``: the rollout raises once, after drawing its samples (exit 1, the state after
   the last completed step saved);
-- ``full_disk``: every checkpoint write fails with ENOSPC (exit 1, nothing half-written).
+- ``full_disk``: every checkpoint write fails with ENOSPC (exit 1, nothing half-written);
+- ``sighup``: SIGHUP at a random moment, as a closed terminal sends (treated as SIGTERM);
+- ``damaged_checkpoint``: the newest checkpoint damaged in place (same size, other bytes, in its
+  weights or training state) before a resume, which must set it aside (renamed, never deleted),
+  go on from the one before and save that step again; then SIGTERM at a random moment;
+- ``data_edit``: the run's data file edited before a resume, which must refuse to start (exit 1,
+  naming the file, nothing on disk touched); the file is then restored.
 
 A run that reaches its last step before the faults are spent is followed by a fresh one
 (``chaos_<k>``), each compared with the same uninterrupted run. After every attempt each
@@ -41,7 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
 SHAPE = ["batch_size=8", "forward_batch_size=4", "ppo_batch_size=4", "gradient_accumulation_steps=2",
          "ppo_epochs=2", "max_generated_tokens=12", "save_every_n_steps=2", "keep_last_n_checkpoints=2"]
-FAULTS = ("sigkill", "sigkill_during_save", "sigterm", "reward_raises", "full_disk")
+FAULTS = ("sigkill", "sigkill_during_save", "sigterm", "reward_raises", "full_disk", "sighup", "damaged_checkpoint",
+          "data_edit")
+DATA_FNAME = "prompts.json"  # the run's prompts, a copy of the tiny task's, in the workdir
 SAVE_POINTS = ("after_policy", "after_value", "after_training_state", "before_rename")
 RAISE_ENV = "CHAOS_RAISE_AT_ROLLOUT"  # the n-th rollout of this process raises
 HOOK_ENVS = ("TORCHTUNE_PPO_CRASH_DURING_SAVE", "TORCHTUNE_PPO_FULL_DISK_DURING_SAVE", RAISE_ENV)
@@ -82,9 +90,13 @@ def _env(**hooks: str) -> Dict[str, str]:
     return {**env, **hooks}
 
 
+def _data(out: Path) -> Path:
+    return out.parent / DATA_FNAME
+
+
 def _start(out: Path, steps: int, resume: bool, log, **hooks: str) -> subprocess.Popen:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", f"output_dir={out}",
-           f"num_ppo_steps={steps}", *SHAPE, f"resume_from_checkpoint={resume}"]
+           f"num_ppo_steps={steps}", *SHAPE, f"dataset.data_files={_data(out)}", f"resume_from_checkpoint={resume}"]
     return subprocess.Popen(cmd, cwd=ROOT, env=_env(**hooks), stdout=log, stderr=log)
 
 
@@ -116,6 +128,8 @@ def check_disk(out: Path) -> List[str]:
     problems = []
     root = out / store.CHECKPOINTS_DIRNAME
     for p in sorted(root.glob("step_*")) if root.is_dir() else []:
+        if ".damaged-" in p.name:  # set aside by a resume (damaged_checkpoint): kept, never read
+            continue
         reason = store._invalid_reason(p, verify=True)
         if reason is not None:
             problems.append(f"{p}: {reason}")
@@ -183,11 +197,61 @@ def _wait_steps(proc: subprocess.Popen, out: Path, n: int, timeout: float) -> No
         time.sleep(0.05)
 
 
+def _damage(folder: Path, rng: random.Random) -> str:
+    """Overwrite bytes in the middle of one of ``folder``'s weight files or its training state:
+    same size, other bytes. Returns the file's name."""
+    files = sorted(folder.glob("*/*.safetensors")) + [folder / "training_state.pt"]
+    target = rng.choice(files)
+    size = target.stat().st_size
+    with open(target, "r+b") as f:
+        f.seek(size // 2)
+        old = f.read(min(4000, size - size // 2))
+        f.seek(size // 2)
+        f.write(bytes((b + 1) % 256 for b in old))
+    return str(target.relative_to(folder))
+
+
 def attempt(out: Path, steps: int, fault: str, rng: random.Random, startup: float, per_step: float,
-            log) -> Tuple[int, str]:
-    """One process start hit by ``fault``; returns its exit code and what was done."""
+            log) -> Tuple[int, str, List[str], str]:
+    """One process start hit by ``fault``; returns its exit code, what was done, what the
+    fault's own checks found wrong, and the fault applied (``data_edit`` without a checkpoint
+    to resume becomes ``sighup``)."""
+    from torchtune_ppo.checkpointing import store
+
     resume = _latest_step(out) is not None
-    hooks, what = {}, fault
+    hooks, what, found = {}, fault, []
+    complete = store._complete_steps(out / store.CHECKPOINTS_DIRNAME, warn=False)
+    applied, damaged = fault, ""
+    if fault == "damaged_checkpoint":
+        if len(complete) >= 2:  # an older one to go on from
+            newest = complete[-1][1]
+            damaged = f"{newest.name}/{_damage(newest, rng)}"
+        else:
+            damaged = "none (fewer than 2 checkpoints)"
+    if fault == "data_edit":
+        if not resume:
+            fault = applied = "sighup"
+        else:
+            data = _data(out)
+            original = data.read_text()
+            rows = json.loads(original)
+            rows[rng.randrange(len(rows))]["prompt"] += " (edited)"
+            data.write_text(json.dumps(rows))
+            before = sorted(p.name for p in (out / store.CHECKPOINTS_DIRNAME).iterdir())
+            log.flush()
+            mark = log.tell()
+            rc = _start(out, steps, resume, log).wait(timeout=600)
+            log.flush()
+            data.write_text(original)
+            with open(log.name) as f:
+                f.seek(mark)
+                said = f.read()
+            if str(data) not in said:
+                found.append(f"data_edit: the refusal does not name {data}")
+            after = sorted(p.name for p in (out / store.CHECKPOINTS_DIRNAME).iterdir())
+            if after != before:
+                found.append(f"data_edit: checkpoints changed from {before} to {after}")
+            return rc, what, found, applied
     if fault == "sigkill_during_save":
         hooks["TORCHTUNE_PPO_CRASH_DURING_SAVE"] = point = rng.choice(SAVE_POINTS)
         what = f"{fault}:{point}"
@@ -197,14 +261,15 @@ def attempt(out: Path, steps: int, fault: str, rng: random.Random, startup: floa
         hooks[RAISE_ENV] = str(rng.randint(1, 3))
         what = f"{fault}:rollout {hooks[RAISE_ENV]}"
     proc = _start(out, steps, resume, log, **hooks)
-    if fault in ("sigkill", "sigterm"):
-        sig = signal.SIGKILL if fault == "sigkill" else signal.SIGTERM
-        if rng.random() < 0.15:  # during startup
+    if fault in ("sigkill", "sigterm", "sighup", "damaged_checkpoint"):
+        sig = {"sigkill": signal.SIGKILL, "sighup": signal.SIGHUP}.get(fault, signal.SIGTERM)
+        # damaged_checkpoint: the signal only after a step, when the resume has set the damage aside
+        if fault != "damaged_checkpoint" and rng.random() < 0.15:  # during startup
             delay = rng.uniform(0, startup)
             time.sleep(delay)
             what = f"{fault}@startup+{delay:.1f}s"
         else:
-            n = rng.randint(0, 2)
+            n = rng.randint(1 if fault == "damaged_checkpoint" else 0, 2)
             _wait_steps(proc, out, n, timeout=startup * 4 + per_step * 10)
             delay = rng.uniform(0, per_step)
             time.sleep(delay)
@@ -217,11 +282,14 @@ def attempt(out: Path, steps: int, fault: str, rng: random.Random, startup: floa
         proc.kill()
         rc = proc.wait()
         what += " (hung: killed)"
-    return rc, what
+    if fault == "damaged_checkpoint":
+        what = f"{fault}:{damaged}, then sigterm@{what.split('@', 1)[1]}"
+    return rc, what, found, applied
 
 
 _EXPECTED_RC = {"sigkill": (-9, 0), "sigkill_during_save": (-9, 0), "sigterm": (128 + 15, -15, 0),
-                "reward_raises": (1, 0), "full_disk": (1, 0)}
+                "reward_raises": (1, 0), "full_disk": (1, 0), "sighup": (128 + 1, -1, 0),
+                "damaged_checkpoint": (128 + 15, -15, 0), "data_edit": (1,)}
 
 
 def faulted_run(out: Path, ref: Path, steps: int, sequence: List[str], kinds: List[str], budget: int,
@@ -232,10 +300,12 @@ def faulted_run(out: Path, ref: Path, steps: int, sequence: List[str], kinds: Li
     problems, faults = [], 0
     while faults < budget and _latest_step(out) != steps:
         fault = sequence[faults] if sequence else rng.choice(kinds)
-        rc, what = attempt(out, steps, fault, rng, startup, per_step, log)
+        rc, what, found, applied = attempt(out, steps, fault, rng, startup, per_step, log)
+        if applied != fault:
+            what = f"{fault}:none (no checkpoint yet), {applied} instead: {what}"
         faults += 1
-        found = check_disk(out)
-        if rc not in _EXPECTED_RC[fault]:
+        found += check_disk(out)
+        if rc not in _EXPECTED_RC[applied]:
             found.append(f"exit code {rc}")
         print(f"fault {first_fault + faults}: {what}: rc={rc}, newest checkpoint {_latest_step(out)}"
               + (f"; PROBLEMS: {found}" if found else ""), flush=True)
@@ -286,6 +356,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if kind not in FAULTS:
             parser.error(f"unknown fault {kind!r}; choose from {', '.join(FAULTS)}")
     args.workdir.mkdir(parents=True, exist_ok=True)
+    from torchtune_ppo import asset_path
+
+    shutil.copyfile(asset_path("tiny_sentiment/prompts.json"), args.workdir / DATA_FNAME)
     log = open(args.workdir / "processes.log", "w")
     ref, startup, per_step = reference(args.workdir, args.steps, log)
     print(f"reference: {args.steps} steps, startup {startup:.1f}s, {per_step:.2f}s/step", flush=True)

@@ -1,9 +1,9 @@
-"""A tiny run hit by faults (SIGKILL inside a save, a reward that raises, a full disk, SIGTERM),
-resumed after each, ends with the metrics and the weights of an uninterrupted run, and never
+"""A tiny run hit by faults (SIGKILL inside a save, a reward that raises, its data file edited
+before a resume, a full disk, SIGHUP), resumed after each, ends with the metrics and the weights of an uninterrupted run, and never
 leaves a half-written or non-finite checkpoint.
 
 ``tools/chaos.py`` is the long version (random faults; see its docstring). This one takes
-~2.5 minutes on 2 CPU cores (6 process starts of ~10 s, plus the steps).
+~3 minutes on 2 CPU cores (7 process starts of ~10 s, plus the steps).
 """
 
 import json
@@ -17,7 +17,7 @@ from conftest import ROOT
 
 @pytest.mark.slow
 def test_a_run_under_faults_ends_as_the_uninterrupted_run(tmp_path):
-    sequence = "sigkill_during_save,reward_raises,full_disk,sigterm"
+    sequence = "sigkill_during_save,reward_raises,data_edit,full_disk,sighup"
     cmd = [sys.executable, str(ROOT / "tools/chaos.py"), "--steps", "4", "--seed", "3",
            "--sequence", sequence, "--workdir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
@@ -26,4 +26,5 @@ def test_a_run_under_faults_ends_as_the_uninterrupted_run(tmp_path):
     assert proc.returncode == 0 and result is not None, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert result["problems"] == [] and result["steps"] == 4
     # Every fault was applied (after a run that reaches its end, the rest hit a new run).
-    assert result["faults"] == 4, proc.stdout
+    assert result["faults"] == 5, proc.stdout
+    assert "data_edit: rc=1" in proc.stdout, proc.stdout  # refused: a checkpoint was there to resume
