@@ -1,4 +1,4 @@
-"""The loss and KL options of issue #19 on small tensors, against numbers worked by hand."""
+"""The loss and KL options on small tensors, against numbers worked by hand."""
 
 import math
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Value pretraining (issue #19): the stopping rule worked by hand, its state across a resume,
+"""Value pretraining: the stopping rule worked by hand, its state across a resume,
 the config's refusals and the resume-config rule for its keys."""
 
 import math

@@ -266,7 +266,8 @@ LOSS = Block(
         Key("aggregation", Choice(options=AGGREGATIONS), "token-mean",
             "how token losses make a minibatch's loss: `token-mean` (each micro-batch's token mean, "
             "averaged over them, as torchtune), or over the global minibatch's sequences `seq-mean-token-sum`, "
-            "`seq-mean-token-mean`, `seq-mean-token-sum-norm` (token sum / `max_generated_tokens`, Dr. GRPO)"),
+            "`seq-mean-token-mean`, `seq-mean-token-sum-norm` (token sum / `max_generated_tokens`, averaged over "
+            "sequences: verl's divided by their number; Dr. GRPO)"),
         Key("entropy_coeff", Number(ge=0), 0.0,
             "entropy bonus: each token's loss gets `- entropy_coeff * H`, H the policy's entropy over "
             "the vocabulary at that position (logged as `entropy` either way)"),
@@ -423,7 +424,7 @@ SCHEMA: Tuple[Key, ...] = (
         "per-token KL penalty `-kl_coeff * (logprob - ref_logprob)`"),
     Key("kl_estimator", Choice(options=KL_ESTIMATORS), "k1",
         "the per-token KL in the reward, with d = logprob - ref_logprob: `k1` d, `k2` d^2 / 2, "
-        "`k3` exp(-d) + d - 1 (verl's `low_var_kl`)"),
+        "`k3` exp(-d) + d - 1 (verl's `low_var_kl` without its clamps: docs/algorithms.md)"),
     Key("kl_target", Number(gt=0, optional=True), None,
         "adaptive KL (Ziegler et al.): after each step `kl_coeff *= 1 + clip(kl / kl_target - 1, "
         "-0.2, 0.2) * n / kl_horizon`, n = batch_size * num_samples_per_prompt sequences, kl the "
@@ -480,7 +481,7 @@ SCHEMA: Tuple[Key, ...] = (
         "forwards, or whole for compiled scoring) instead of a whole copy on every rank. No "
         "effect on one process. See [Several processes](distributed.md)"),
     Key("save_every_n_steps", Count(optional=True), None,
-        "save a checkpoint every N steps (and always at the end, and on Ctrl-C / SIGTERM); "
+        "save a checkpoint every N steps (and always at the end, and on Ctrl-C / SIGTERM / SIGHUP); "
         "null: only then"),
     Key("save_every_n_epochs", Count(optional=True), None,
         "also save after every N passes over the dataset (torchtune's key); null: not"),
