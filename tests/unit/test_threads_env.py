@@ -25,3 +25,19 @@ def test_omp_num_threads_as_openmp_reads_it_sets_auto(monkeypatch, value, thread
     assert cpu_threads("auto") == threads
     assert cpu_threads(1) == 1  # a number in the config wins over the environment
 
+
+
+def test_the_preflight_checks_it_on_every_device(monkeypatch, tmp_path):
+    """A GPU run never calls ``cpu_threads``, yet its CPU work is threaded by OpenMP too."""
+    from omegaconf import OmegaConf
+
+    from torchtune_ppo.config import validate_config
+    from torchtune_ppo.config.preflight import preflight
+
+    from conftest import TINY_CONFIG
+
+    cfg = validate_config(OmegaConf.merge(OmegaConf.load(TINY_CONFIG), {"output_dir": str(tmp_path / "run")}))
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")
+    with pytest.raises(ValueError, match=r"^OMP_NUM_THREADS='0' is not a positive integer"):
+        preflight(cfg, world_size=1, log=None)
+    assert not (tmp_path / "run").exists()  # before anything touches the output folder

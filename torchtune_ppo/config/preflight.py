@@ -24,6 +24,7 @@ from torchtune import config as tt_config
 
 from torchtune_ppo import checkpointing
 from torchtune_ppo.config.checks import (
+    _omp_num_threads,
     check_sequence_length,
     check_world_size,
     native_bf16,
@@ -70,6 +71,7 @@ def preflight(cfg: DictConfig, *, world_size: int, log) -> Preflight:
             folder at fault and what would be valid.
     """
     check_world_size(cfg, world_size)
+    _omp_num_threads()  # also on a GPU run, whose CPU work OpenMP still threads
     if cfg.dtype == "bf16" and cfg.device == "cpu" and native_bf16() is False:
         log.warning("dtype=bf16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): "
                     "torch emulates its products, so this run is slower than in fp32.")
