@@ -33,9 +33,11 @@ the editable install, in the tests' subprocesses (``tune run``, torchrun) too.
 
 What counts, per mutant:
 
-- ``caught``: a test failed (or errored, or the collection failed). Each caught mutant's first
-  failing test is run once more at the end on the unmutated worktree: one that fails there
-  too turns its mutants into ``error`` (``--no-confirm`` skips this).
+- ``caught``: a test failed (or errored, or the collection failed), and that first failing test
+  passes on the unmutated worktree: each new first failing test is run there once (about
+  20-80 s; ``--no-confirm`` skips it). One that fails unmutated too is broken at the revision,
+  not by the mutant: it is deselected from then on (``--deselect`` names such tests up front)
+  and the mutant is tested again without it.
 - ``missed``: every selected test passed.
 - ``timeout``: ``--timeout`` (900 s) ran out before any test failed; after a failure it is
   ``caught``.
@@ -480,6 +482,7 @@ class Runner:
             SEED_BUGS_FAILED=str(self.failed_file),
         )
         self.env = env
+        self.deselected: List[str] = []  # tests that fail on the unmutated revision
 
     def check_imports(self) -> None:
         """The worktree's package and recipe must be the ones imported, not the editable install's."""
@@ -493,7 +496,8 @@ class Runner:
 
     def pytest(self, args: Sequence[str], timeout: float, log_name: str, exitfirst: bool = True) -> Run:
         flags = PYTEST_FLAGS if exitfirst else PYTEST_FLAGS[1:]
-        cmd = [sys.executable, "-m", "pytest", *flags, "-p", "_seed_bugs_plugin", *args]
+        deselect = [a for t in self.deselected for a in ("--deselect", t)]
+        cmd = [sys.executable, "-m", "pytest", *flags, "-p", "_seed_bugs_plugin", *deselect, *args]
         self.failed_file.write_text("")
         self.logs.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
@@ -559,17 +563,50 @@ class Worktree:
             git("worktree", "prune", check=False)
 
 
-def apply_and_test(m: Mutation, worktree: Path, runner: Runner, args: Sequence[str], timeout: float) -> Run:
+def apply_and_test(m: Mutation, worktree: Path, runner: Runner, args: Sequence[str], timeout: float,
+                   log_name: str) -> Run:
     """Writes the bug, runs the tests, and puts the file back from git whatever happens."""
     target = worktree / m.path
     original = target.read_bytes()
     try:
         target.write_text(original.decode().replace(m.old, m.new, 1))
-        return runner.pytest(args, timeout, m.id)
+        return runner.pytest(args, timeout, log_name)
     finally:
         git("-C", str(worktree), "checkout", "--", m.path, check=False)
         if target.read_bytes() != original:
             target.write_bytes(original)
+
+
+class Confirmer:
+    """Whether a test passes on the unmutated worktree, each test run there once."""
+
+    def __init__(self, runner: Runner, timeout: float) -> None:
+        self.runner, self.timeout = runner, timeout
+        self.passes: Dict[str, bool] = {}
+
+    def __call__(self, test: str) -> bool:
+        if test not in self.passes:
+            name = "_unmutated_" + "".join(c if c.isalnum() else "_" for c in test)[-120:]
+            run = self.runner.pytest([test], self.timeout, name)
+            self.passes[test] = run.rc == 0
+            verdict = "passes" if self.passes[test] else "FAILS: deselected from now on"
+            print(f"{'':8}unmutated, {run.seconds:.0f} s: {test} {verdict}", flush=True)
+        return self.passes[test]
+
+
+def test_mutant(m: Mutation, worktree: Path, runner: Runner, args: Sequence[str], timeout: float,
+                confirm: Optional[Confirmer]) -> Tuple[Run, List[str]]:
+    """The mutant's run, and the first failing tests found broken without it (then deselected
+    and the mutant run again)."""
+    broken: List[str] = []
+    while True:
+        run = apply_and_test(m, worktree, runner, args, timeout, m.id if not broken else f"{m.id}.{len(broken)}")
+        first = run.failures[0] if run.failures else None
+        if (confirm is None or classify(run) != "caught" or first is None or first.startswith("collecting")
+                or confirm(first)):
+            return run, broken
+        broken.append(first)
+        runner.deselected.append(first)
 
 
 def _raise_interrupt(signum, frame):
@@ -629,7 +666,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--worktree", default="/tmp/seedwt")
     parser.add_argument("--keep-worktree", action="store_true")
     parser.add_argument("--no-confirm", action="store_true",
-                        help="do not rerun the first failing tests on the unmutated worktree")
+                        help="do not run a caught mutant's first failing test on the unmutated worktree")
+    parser.add_argument("--deselect", action="append", default=[], metavar="NODEID",
+                        help="a test known to fail on the revision, left out of every run (repeatable)")
     args = parser.parse_args(argv)
 
     chosen = list(MUTATIONS)
@@ -660,7 +699,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         signal.signal(sig, _raise_interrupt)
     started, t0 = datetime.datetime.now().isoformat(timespec="seconds"), time.monotonic()
     results: List[dict] = []
-    report = {"rev": rev, "tier": args.tier, "started": started, "cpu": _cpu(), "timeout_s": args.timeout,
+    report = {"rev": rev, "deselected": list(args.deselect), "tier": args.tier, "started": started, "cpu": _cpu(), "timeout_s": args.timeout,
               "command": " ".join(["python tools/seed_bugs.py", *(sys.argv[1:] if argv is None else argv)]),
               "mutants": results}
 
@@ -675,7 +714,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with Worktree(Path(args.worktree), rev, keep=args.keep_worktree) as wt:
             tree = Tree(rev, wt)
             runner = Runner(wt, plugin_dir, Path(args.logs))
+            runner.deselected = list(args.deselect)
             runner.check_imports()
+            confirm = None if args.no_confirm else Confirmer(runner, args.timeout)
             print(f"seed_bugs: {len(chosen)} mutations at {rev}, tier {args.tier}, worktree {wt}", flush=True)
             try:
                 for m in chosen:
@@ -684,15 +725,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "detail": detail, "seconds": 0.0, "first_failure": None, "tests": []}
                     if status == "ok":
                         row["tests"] = selection(tree, m, args.tier)
-                        run = apply_and_test(m, wt, runner, row["tests"], args.timeout)
-                        row.update(status=classify(run), seconds=round(run.seconds, 1), rc=run.rc,
+                        t = time.monotonic()
+                        run, broken = test_mutant(m, wt, runner, row["tests"], args.timeout, confirm)
+                        row.update(status=classify(run), seconds=round(time.monotonic() - t, 1), rc=run.rc,
                                    first_failure=run.failures[0] if run.failures else None,
-                                   log=str(Path(args.logs) / f"{m.id}.log"))
+                                   broken_unmutated=broken,
+                                   log=str(Path(args.logs) / f"{m.id}{f'.{len(broken)}' if broken else ''}.log"))
                     results.append(row)
                     print(_line(row), flush=True)
+                    report["deselected"] = list(runner.deselected)
                     write_out(False)
-                if not args.no_confirm:
-                    confirm(results, runner, args.timeout)
             except KeyboardInterrupt:
                 interrupted = True
                 print("interrupted: the results so far follow", flush=True)
@@ -707,27 +749,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("not caught:")
         for r in missed:
             print(f"  {r['status']:<8}{r['id']:<32} {r['path']}: {r['what']}")
+    for test in report.get("deselected", []):
+        print(f"deselected (fails on the unmutated revision): {test}")
     print(f"JSON: {args.out}")
     return 130 if interrupted else 0
-
-
-def confirm(results: List[dict], runner: Runner, timeout: float) -> None:
-    """Runs each caught mutant's first failing test on the unmutated worktree: one that fails
-    there too proves nothing about the mutant, which becomes ``error``."""
-    tests = sorted({r["first_failure"] for r in results
-                    if r["status"] == "caught" and r["first_failure"] and not r["first_failure"].startswith("collecting")})
-    if not tests:
-        return
-    print(f"confirming: {len(tests)} first failing tests on the unmutated worktree", flush=True)
-    run = runner.pytest(tests, timeout * 2, "_unmutated", exitfirst=False)
-    broken = set(run.failures)
-    if run.rc is None:
-        print(f"  the unmutated run timed out after {run.seconds:.0f} s: nothing confirmed", flush=True)
-    for r in results:
-        if r["status"] == "caught" and r["first_failure"] in broken:
-            r.update(status="error", detail=f"{r['first_failure']} fails unmutated too")
-            print(f"  {r['id']}: {r['first_failure']} fails unmutated too -> error", flush=True)
-    print(f"  done in {run.seconds:.0f} s, {len(broken)} of {len(tests)} failing unmutated", flush=True)
 
 
 if __name__ == "__main__":
