@@ -30,6 +30,7 @@ from torchtune_ppo import checkpointing, compile as compiling, distributed
 from torchtune_ppo.config import CompileConfig, check_cli_overrides, cpu_threads, validate_config
 from torchtune_ppo.config.preflight import preflight
 from torchtune_ppo.data import prompt_loader
+from torchtune_ppo.eval import build_evaluator
 from torchtune_ppo.models.build import build_models
 from torchtune_ppo.ppo.advantages import AdvantageSettings, advantage_metrics, estimate_advantages, group_metrics
 from torchtune_ppo.ppo.kl import KLController
@@ -46,7 +47,7 @@ from torchtune_ppo.run.interrupt import resume_command, stop_on_signals
 from torchtune_ppo.run.metrics import PhaseTimer, metric_logger, step_metrics
 from torchtune_ppo.run.optim import InBackwardOptimizer, MasterWeights, build_optimizer
 from torchtune_ppo.run.progress import Progress
-from torchtune_ppo.run.watch import log_samples, progress, run_summary, sample_rows
+from torchtune_ppo.run.watch import SampleLog, progress, run_summary
 
 log = utils.get_logger("INFO")
 
@@ -79,7 +80,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._advantages = AdvantageSettings.from_config(cfg)
         self._n = cfg.num_samples_per_prompt  # each prompt is generated n times (a group)
         self._rows_per_step = cfg.batch_size * self._n  # responses, over every rank
-        self._log_every_n_steps, self._log_samples_every_n_steps = cfg.log_every_n_steps, cfg.log_samples_every_n_steps
+        self._log_every_n_steps = cfg.log_every_n_steps
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type == "cuda"
         self._score_history: List[Dict[str, float]] = []  # for the end-of-run summary
         self._recompiles = compiling.RecompileCounter()  # graphs compiled after the first step
@@ -92,13 +93,15 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._metric_logger = metric_logger(cfg, rank_zero=self._is_rank_zero)
         self._metric_logger.log_config(cfg)
         self._tokenizer, self._prompt_len = checked.tokenizer, checked.prompt_len
+        self._samples = SampleLog(cfg.log_samples_every_n_steps, self._tokenizer, self._prompt_len,
+                                  f"{self._output_dir}/logs", log, rank_zero=self._is_rank_zero)
         self._sampler, self._dataloader = prompt_loader(
             checked.dataset, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=self.seed,
             max_prompt_len=self._prompt_len, pad_id=self._tokenizer.pad_id, long_prompts=cfg.long_prompts)
         self._progress = Progress(
             num_ppo_steps=cfg.num_ppo_steps, batches_per_epoch=len(self._dataloader),
             value_pretrain=ValuePretraining.from_config(cfg.value_pretrain), data_identity=checked.data_identity,
-            save_every_n_steps=cfg.save_every_n_steps, save_every_n_epochs=cfg.save_every_n_epochs)
+            save_every_n_steps=cfg.save_every_n_steps, save_every_n_epochs=cfg.save_every_n_epochs, evaluation=cfg.eval)
         regions = compiling.regions(cfg.compile, world_size=self._world_size, device=self._device)
         log.info(f"Compiled regions: {CompileConfig(**cfg.compile)}")
         self._models = build_models(cfg, device=self._device, dtype=self._dtype, resume_from=checked.resume_from)
@@ -119,6 +122,9 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             self._pending_rng_state = state["rng"]
             # After the restored state, which holds the saved optimizer settings: the config's win.
             checkpointing.apply_optimizer_overrides(self._update.optimizer, cfg.optimizer, self._update.lr_scheduler)
+        self._evaluator = build_evaluator(cfg.eval, checked, self._rollout, regions.generation, self._progress.evaluation,
+                                          seed=self.seed, warm_up=self._recompiles.excluded,
+                                          log_dict=self._metric_logger.log_dict, keep_step=manager.keep_step)
 
     def _setup_rollout(self, cfg: DictConfig, regions: compiling.Regions) -> Rollout:
         generator = Generator(
@@ -202,7 +208,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             if not bad_rows:
                 self._step.update_begins()
                 result = self._update(trajectory, adv.advantages, adv.returns, timer, step, value_pretrain=pretraining)
-        self._log_samples(trajectory, prompt_lens)
+        self._samples(trajectory, prompt_lens, step=self._progress.global_step + 1)
         return self._step_metrics(trajectory, adv, result, bad_rows, num_truncated, timer, adapt_kl=not pretraining)
 
     def _step_metrics(self, trajectory, adv, result, bad_rows: int, num_truncated: int, timer,
@@ -233,12 +239,6 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             metrics.update(training.get_memory_stats(device=self._device))
         return metrics
 
-    def _log_samples(self, trajectory, prompt_lens: torch.Tensor) -> None:
-        step, every = self._progress.global_step + 1, self._log_samples_every_n_steps
-        if self._is_rank_zero and every and step % every == 0:
-            rows = sample_rows(trajectory, prompt_lens, self._tokenizer, self._prompt_len, n=4)
-            log_samples(rows, step, f"{self._output_dir}/logs", log)
-
     def train(self, on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> None:
         """Runs PPO steps until ``num_ppo_steps``; ``on_step(step, metrics)`` is called after each.
 
@@ -249,12 +249,12 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         pbar = tqdm(total=progress_.num_ppo_steps, initial=progress_.steps_run, desc="PPO", dynamic_ncols=True,
                     disable=not self._is_rank_zero)
         if progress_.pretraining and self._is_rank_zero:
-            log.info(f"Value pretraining: up to {progress_.value_pretrain.max_steps - progress_.value_pretrain.steps_run}"
-                     " steps on the starting policy's rollouts before PPO's first step.")
+            log.info(progress_.start_note())
         self._profiler.start()
         resume = resume_command(sys.argv, self._output_dir)
         try:
             with stop_on_signals() as stop:
+                self._evaluator.when_due(progress_)  # the starting policy, before step 1
                 while not progress_.done and not stop:
                     self._run_epoch(on_step, pbar, stop)
             if progress_.unsaved:
@@ -269,7 +269,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._profiler.stop()
         pbar.close()
         if self._is_rank_zero:
-            log.info(run_summary(self._score_history, checkpointing.existing_checkpoints(self._output_dir)))
+            log.info(run_summary(self._score_history, self._output_dir, self._progress.evaluation))
         if stop:
             if self._is_rank_zero:
                 log.warning(f"Stopped after step {progress_.global_step}. To continue: {resume}")
@@ -298,7 +298,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             if on_step is not None:
                 on_step(progress_.global_step, metrics)
             stop.agree()  # every rank leaves after the same step
-            if progress_.save_due():
+            if self._evaluator.when_due(progress_) or progress_.save_due():  # a new best evaluation is saved too
                 self.save_checkpoint(progress_.global_step)
             if progress_.done or stop:
                 return

@@ -19,9 +19,10 @@ guards are what decide recompiles, so a test can count a real model's recompiles
 inductor's code generation (about 400 s a region for SmolLM2's 30 unrolled layers on 2 cores).
 """
 
+import contextlib
 import os
 import warnings
-from typing import Any, Callable, NamedTuple, Optional, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 
 import torch
 
@@ -165,10 +166,16 @@ def compile_count() -> int:
 
 
 class RecompileCounter:
-    """Counts compilations after a warm-up mark: ``counter.mark()`` then ``counter.since_mark``."""
+    """Counts compilations after a warm-up mark: ``counter.mark()`` then ``counter.since_mark``.
+
+    Graphs compiled inside ``with counter.excluded():`` are left out: a region run for the first
+    time after the mark (the first evaluation of a run that does not evaluate before training)
+    compiles its graphs then, which is its warm-up, not a recompile.
+    """
 
     def __init__(self) -> None:
         self._mark = None
+        self._excluded = 0
 
     def mark(self) -> None:
         self._mark = compile_count()
@@ -179,4 +186,14 @@ class RecompileCounter:
 
     @property
     def since_mark(self) -> int:
-        return 0 if self._mark is None else compile_count() - self._mark
+        return 0 if self._mark is None else compile_count() - self._mark - self._excluded
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """The graphs compiled inside the block do not count in ``since_mark``."""
+        start = compile_count()
+        try:
+            yield
+        finally:
+            if self._mark is not None:  # before the mark, nothing counts anyway
+                self._excluded += compile_count() - start

@@ -414,8 +414,10 @@ def test_prompt_dataset_renders_chat_prompts_as_transformers_does(tokenizer, hf_
     assert ds[0]["tokens"] == header + _ids(hf_tokenizer("The answer is", add_special_tokens=False))
 
 
+# Evaluation off: these runs check training (every region traced once, the eager run's numbers);
+# the config's held-out evaluation would trace its own greedy generation graphs.
 SMALL_RUN = ["num_ppo_steps=2", "batch_size=4", "forward_batch_size=4", "ppo_batch_size=4", "max_generated_tokens=6",
-             "log_every_n_steps=1"]
+             "log_every_n_steps=1", "eval.every_n_steps=null"]
 
 
 def _tune_run(folder: Path, out: Path, *overrides: str, env=None):

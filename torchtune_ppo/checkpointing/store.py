@@ -150,6 +150,7 @@ class CheckpointManager:
         self.output_dir = Path(output_dir)
         self.root = self.output_dir / CHECKPOINTS_DIRNAME
         self.keep_last_n = keep_last_n
+        self.kept_step: Optional[int] = None  # a step pruning never deletes (see keep_step)
         # Resolved, detached copies: interpolations like ${output_dir} are fixed now, and the
         # output_dir override at save time does not touch the recipe's config.
         self._writer_cfgs = {
@@ -302,9 +303,15 @@ class CheckpointManager:
                 log.info(f"Removing leftover temporary checkpoint folder {p}")
                 shutil.rmtree(p, ignore_errors=True)
 
+    def keep_step(self, step: Optional[int]) -> None:
+        """Pruning never deletes ``step_<step>`` (the best evaluation's checkpoint) until another
+        step replaces it; None: no such step."""
+        self.kept_step = None if step is None else int(step)
+
     def _prune(self, keep: Path) -> None:
         complete = _complete_steps(self.root, warn=False)
         kept = {p for _, p in complete[-self.keep_last_n:]} | {keep}
+        kept |= {p for s, p in complete if s == self.kept_step}
         for _, path in complete:
             if path in kept:
                 continue

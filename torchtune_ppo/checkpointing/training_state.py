@@ -132,6 +132,8 @@ class CheckpointClient:
             **({"value_pretrain": dict(progress["value_pretrain"])} if "value_pretrain" in progress else {}),
             # what identifies the data (files, sizes, sha256, rows): a resume over other data is refused
             **({"data_identity": progress["data_identity"]} if progress.get("data_identity") is not None else {}),
+            # every evaluation's metrics, the best step and value, evaluations since the best
+            **({"evaluation": progress["evaluation"]} if progress.get("evaluation") is not None else {}),
             "skipped_steps": self.skipped_steps.state_dict(),
             **({} if self.kl_controller is None else {"kl_controller": self.kl_controller.state_dict()}),
             **({} if self.master_weights is None else {"master_weights": self.master_weights.state_dict()}),
@@ -156,9 +158,9 @@ class CheckpointClient:
 
     def load(self, checkpoint: str) -> Dict[str, Any]:
         """Restores the optimizer, scheduler and skipped steps from ``checkpoint``; returns the
-        progress counters, ``value_pretrain`` (None in a checkpoint from before value pretraining)
-        and ``rng``, this rank's random state to restore once the data iterator is back in place
-        (None when saved on another number of ranks)."""
+        progress counters, ``value_pretrain`` (None in a checkpoint from before value pretraining),
+        ``evaluation`` (None without evaluations) and ``rng``, this rank's random state to restore
+        once the data iterator is back in place (None when saved on another number of ranks)."""
         state = load_training_state(checkpoint)
         world = distributed.world_size()
         if world == 1 and not distributed.keyed_by_name(state["optimizer"]):
@@ -182,7 +184,8 @@ class CheckpointClient:
             if rng is None and distributed.rank() == 0:
                 log.warning(f"{checkpoint} was saved on {len(per_rank) or 1} process(es), not "
                             f"{world}: the random states start afresh.")
-        return {**{k: state[k] for k in PROGRESS_KEYS}, "value_pretrain": state.get("value_pretrain"), "rng": rng}
+        return {**{k: state[k] for k in PROGRESS_KEYS}, "value_pretrain": state.get("value_pretrain"),
+                "evaluation": state.get("evaluation"), "rng": rng}
 
     def restore_rng(self, rng: Mapping[str, Any]) -> None:
         """Puts back a random state that :meth:`load` returned."""

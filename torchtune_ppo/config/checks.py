@@ -31,6 +31,8 @@ from torchtune import config as tt_config
 from torchtune_ppo.config.components import check_component_arguments
 from torchtune_ppo.config.schema import (
     COMPILE_REGIONS,
+    EVAL_KEYS,
+    EVAL_METRICS,
     KEYS,
     LOSS_KEYS,
     NOTED_KEYS,
@@ -223,6 +225,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     cfg.loss = _loss_with_defaults(cfg.loss)
     _check_block_keys(cfg, "value_pretrain", VALUE_PRETRAIN_KEYS)
     _check_block_keys(cfg, "rollout_correction", ROLLOUT_CORRECTION_KEYS)
+    _check_block_keys(cfg, "eval", EVAL_KEYS)
 
     for key in SCHEMA:
         key.kind.check(key.name, cfg[key.name])
@@ -238,6 +241,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     _check_reward(cfg)
     _check_advantage_estimator(cfg)  # first: a critic-free run refuses the critic's keys by name
     _check_algorithms(cfg)
+    _check_eval(cfg)
     if check_machine:
         check_device(cfg.device)
         _check_checkpoint_files(cfg)
@@ -323,6 +327,27 @@ def _check_value_pretrain(cfg: DictConfig) -> None:
         _note(f"value_pretrain.tolerance={block.tolerance} needs 2 * value_pretrain.window = {2 * block.window} "
               f"steps of losses, more than value_pretrain.max_steps={block.max_steps}: pretraining runs "
               f"{block.max_steps} steps.")
+
+
+def _check_eval(cfg: DictConfig) -> None:
+    """The ``eval`` block: a ``best_metric`` the evaluation logs, a reward function that imports."""
+    block = cfg.eval
+    k = block.num_samples
+    names = (*EVAL_METRICS, *((f"val/pass@{k}",) if k > 1 else ()))
+    if block.best_metric not in names and not block.best_metric.startswith("val/reward/"):
+        raise ValueError(
+            f"eval.best_metric must be one of {list(names)} or `val/reward/<part>` (a part of a WeightedSum "
+            f"reward), got {block.best_metric!r}; `val/pass@<k>` is logged with eval.num_samples=k > 1.")
+    if block.reward is not None:
+        import_component(block.reward._component_, "eval.reward._component_")
+    if block.every_n_steps is None:
+        if block.early_stop_patience is not None:
+            _note(f"eval.early_stop_patience={block.early_stop_patience} has no effect: eval.every_n_steps=null "
+                  "turns evaluation off.")
+        return
+    if k > 1 and block.top_k == 1:
+        _note(f"eval.num_samples={k} with eval.top_k=1: greedy decoding gives the {k} responses to a prompt "
+              f"alike, so val/pass@{k} equals val/pass@1; raise eval.top_k (or null) to sample.")
 
 
 def _check_batch_sizes(cfg: DictConfig) -> None:

@@ -13,7 +13,8 @@ seconds with a message that names the key or file:
 4. the data: every prompt read, tokenized and checked, ``P`` fixed (the longest prompt when
    ``max_prompt_len`` is null) and the sequence length checked against the models; what
    identifies the data (each local file's size and sha256, the row count) recorded for the
-   checkpoints, and on resume compared with what the checkpoint recorded;
+   checkpoints, and on resume compared with what the checkpoint recorded; the evaluation's
+   prompts read and checked the same way (``eval``);
 5. the memory plan: the run must fit the device.
 """
 
@@ -33,6 +34,7 @@ from torchtune_ppo.config.checks import (
 )
 from torchtune_ppo.config.data_files import instantiate_dataset, validate_dataset
 from torchtune_ppo.data.identity import check_resumed_data, data_identity
+from torchtune_ppo.eval.data import eval_prompts
 from torchtune_ppo.run.memory import check_plan
 
 
@@ -46,6 +48,8 @@ class Preflight(NamedTuple):
         prompt_len (int): ``P``, the width every prompt is left-padded to.
         data_identity (Optional[Dict[str, Any]]): what identifies the data, for the training
             state of every checkpoint (``Progress(data_identity=...)``).
+        eval_prompts (Optional[Any]): the evaluation's prompts
+            (:class:`~torchtune_ppo.eval.data.EvalPrompts`); None when evaluation is off.
     """
 
     resume_from: Optional[str]
@@ -53,6 +57,7 @@ class Preflight(NamedTuple):
     dataset: Any
     prompt_len: int
     data_identity: Optional[Dict[str, Any]] = None
+    eval_prompts: Optional[Any] = None
 
 
 def preflight(cfg: DictConfig, *, world_size: int, log) -> Preflight:
@@ -95,8 +100,9 @@ def preflight(cfg: DictConfig, *, world_size: int, log) -> Preflight:
     if num_long:
         log.info(f"{num_long} of {len(dataset)} prompts are longer than max_prompt_len="
                  f"{prompt_len}; their last {prompt_len} tokens are kept.")
+    evaluation = eval_prompts(cfg, tokenizer, log) if cfg.eval.every_n_steps is not None else None
     check_plan(cfg, prompt_len, log)
-    return Preflight(resume_from, tokenizer, dataset, prompt_len, identity)
+    return Preflight(resume_from, tokenizer, dataset, prompt_len, identity, evaluation)
 
 
 def check_data_unchanged(resume_from: str, identity: Dict[str, Any], cfg: DictConfig, log) -> None:

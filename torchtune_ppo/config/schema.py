@@ -310,6 +310,50 @@ VALUE_PRETRAIN = Block(
     ),
 )
 
+# The metrics an evaluation logs (docs/evaluation.md); `val/pass@<k>` and `val/reward/<part>`
+# are added by `eval.num_samples` and by a `WeightedSum` reward.
+EVAL_METRICS = ("val/reward_mean", "val/pass@1", "val/response_length")
+
+EVAL = Block(
+    keys=(
+        Key("every_n_steps", Count(optional=True), None,
+            "evaluate the policy on held-out prompts every N steps (counted as `save_every_n_steps` counts "
+            "them) and after the last step, logging `val/` metrics; null: no evaluation. See "
+            "[Evaluation](evaluation.md)"),
+        Key("before_training", Bool(), True,
+            "with `every_n_steps`: also evaluate the starting policy before step 1 (logged at step 0)"),
+        Key("dataset", Component(optional=True), None,
+            "the held-out prompts, a block like `dataset` (same builders); null: `dataset` with `field: heldout` "
+            "when its JSON data file has a `heldout` split (the embedded arithmetic tasks), else an error "
+            "naming this key"),
+        Key("max_prompts", Count(optional=True), None, "evaluate the dataset's first N prompts only; null: all"),
+        Key("num_samples", Count(), 1,
+            "`k`, responses per prompt; `val/pass@k` is logged beside `val/pass@1` when k > 1"),
+        Key("temperature", Number(gt=0, note="for greedy decoding use top_k=1"), 1.0,
+            "sampling temperature of the evaluation (training's `temperature` is separate)"),
+        Key("top_k", Int(optional=True, ge=1), 1, "sample from the `k` most likely tokens; 1: greedy; null: all"),
+        Key("top_p", Number(optional=True, gt=0, le=1), None,
+            "sample from the smallest set of tokens whose probability reaches `p`; null: all"),
+        Key("max_generated_tokens", Count(optional=True), None, "response tokens per prompt; null: training's"),
+        Key("batch_size", Count(optional=True), None,
+            "rows (responses) per generation call on each process; null: the training generator's "
+            "(`forward_batch_size` / processes)"),
+        Key("reward", Component(optional=True, note="a reward function, as `reward`"), None,
+            "the evaluation's score; null: the training reward (its function or its reward model). The "
+            "penalties (`penalise_no_eos`, `min_response_length`) apply as in training; the KL penalty does not"),
+        Key("correct_threshold", Number(), 1.0,
+            "a response is correct (`val/pass@k`) when its score is at least this; `ExactMatch` scores 1.0 "
+            "for a match"),
+        Key("best_metric", Text(what="a `val/` metric the evaluation logs"), "val/reward_mean",
+            "the metric that picks the best checkpoint and drives `early_stop_patience`: `val/reward_mean`, "
+            "`val/pass@1`, `val/pass@<num_samples>`, `val/response_length` or `val/reward/<part>`"),
+        Key("best_mode", Choice(options=("max", "min")), "max", "whether a higher or a lower `best_metric` is better"),
+        Key("early_stop_patience", Count(optional=True), None,
+            "stop the run (after saving) once this many evaluations in a row have not improved on the best; "
+            "null: never"),
+    ),
+)
+
 SCHEMA: Tuple[Key, ...] = (
     Key("output_dir", Text(what="a folder path"), REQUIRED,
         "where checkpoints and logs go; the shipped configs use a new folder per run (`${ppo_run_id:}`)"),
@@ -501,6 +545,9 @@ SCHEMA: Tuple[Key, ...] = (
     # run has diverged, so it stops instead of burning the rest of its steps.
     Key("max_consecutive_skipped_steps", Count(), 3,
         "stop the run after this many steps in a row whose update was skipped for non-finite values"),
+    Key("eval", EVAL, EVAL.defaults(),
+        "evaluation on held-out prompts during training (`val/` metrics, the best checkpoint, early "
+        "stopping): the keys below; see [Evaluation](evaluation.md)"),
     Key("metric_logger", Component(optional=True), None,
         "torchtune metric logger; null: torchtune's `DiskLogger` in `<output_dir>/logs`"),
     Key("log_every_n_steps", Count(), 1, "how often the metric logger logs"),
@@ -525,6 +572,7 @@ MUST_MATCH = tuple(k.name if k.must_match is True else f"{k.name}.{sub}"
                    for k in SCHEMA if k.must_match for sub in ((None,) if k.must_match is True else k.must_match))
 VALUE_PRETRAIN_KEYS = tuple(k.name for k in VALUE_PRETRAIN.keys)
 ROLLOUT_CORRECTION_KEYS = tuple(k.name for k in ROLLOUT_CORRECTION.keys)
+EVAL_KEYS = tuple(k.name for k in EVAL.keys)
 # Views of SCHEMA under the names the config module exported before it had one.
 REQUIRED_KEYS = tuple(k.name for k in SCHEMA if k.required)
 BOOL_KEYS = tuple(k.name for k in SCHEMA if isinstance(k.kind, Bool))

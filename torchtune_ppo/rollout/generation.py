@@ -250,6 +250,7 @@ class Generator:
         self.stop_token_ids = [int(t) for t in stop_token_ids]
         self.stop_check_every, self.group_size = stop_check_every, group_size
         self.device = torch.device(device) if device is not None else param.device
+        self.dtype = dtype or param.dtype  # the KV cache's
         self.vocab_size = model.tok_embeddings.num_embeddings
         check_sampling(temperature, top_k, top_p, prefix="Generator: ")
         _check_sizes(self)
@@ -264,7 +265,7 @@ class Generator:
         self._decode, self._cudagraphs = steps.decode, steps.cudagraphs
         self.kv_cache = StaticKVCache(
             model, batch_size=batch_size, seq_len=max_prompt_len + max_generated_tokens,
-            dtype=dtype or param.dtype, device=self.device,
+            dtype=self.dtype, device=self.device,
         )
         self._setup_buffers()
 

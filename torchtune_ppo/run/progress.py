@@ -4,11 +4,14 @@
 is what a checkpoint's training state holds of it, so a resume puts the run back at the same
 batch of the same epoch, in the same phase; with it, what identifies the data that position
 counts batches of (:func:`torchtune_ppo.data.identity.data_identity`), which a resume compares
-with its own data before anything is built.
+with its own data before anything is built; and the evaluations' record
+(:class:`~torchtune_ppo.eval.record.EvalRecord`), so a resumed run keeps its best and its count
+towards an early stop.
 """
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
+from torchtune_ppo.eval.record import EvalRecord
 from torchtune_ppo.ppo.value_pretrain import ValuePretraining
 
 
@@ -26,14 +29,20 @@ class Progress:
         save_every_n_epochs (Optional[int]): also save after every N epochs; None: not.
         data_identity (Optional[Mapping[str, Any]]): what identifies the run's data (the
             preflight's), saved with the counters; None: not recorded.
+        evaluation (Optional[Union[EvalRecord, Mapping[str, Any]]]): the evaluations' record (or the
+            config's ``eval`` block to build it from), saved with the counters; its early stop ends
+            the run. None: no evaluation.
     """
 
     def __init__(self, *, num_ppo_steps: int, batches_per_epoch: int, value_pretrain: ValuePretraining,
                  save_every_n_steps: Optional[int] = None, save_every_n_epochs: Optional[int] = None,
-                 data_identity: Optional[Mapping[str, Any]] = None) -> None:
+                 data_identity: Optional[Mapping[str, Any]] = None,
+                 evaluation: Optional[Union[EvalRecord, Mapping[str, Any]]] = None) -> None:
         self.num_ppo_steps, self.batches_per_epoch = num_ppo_steps, batches_per_epoch
         self.data_identity = None if data_identity is None else dict(data_identity)
         self.value_pretrain = value_pretrain
+        self.evaluation = (evaluation if isinstance(evaluation, EvalRecord)
+                           else EvalRecord() if evaluation is None else EvalRecord.from_config(evaluation))
         self.save_every_n_steps, self.save_every_n_epochs = save_every_n_steps, save_every_n_epochs
         self.steps_run = self.epochs_run = 0
         self.batches_run_in_epoch = 0  # the data position inside the current epoch
@@ -50,14 +59,24 @@ class Progress:
         return self.value_pretrain.steps_run + self.steps_run
 
     @property
-    def done(self) -> bool:
+    def all_steps_run(self) -> bool:
         """Every PPO step has run (and pretraining is over)."""
         return not self.pretraining and self.steps_run >= self.num_ppo_steps
+
+    @property
+    def done(self) -> bool:
+        """Every PPO step has run, or the evaluations stopped the run early."""
+        return self.all_steps_run or self.evaluation.stopped
 
     @property
     def unsaved(self) -> bool:
         """The last step run is not in a checkpoint."""
         return self.last_saved_step != self.global_step
+
+    def start_note(self) -> str:
+        """What the run starts with, when it starts with value pretraining."""
+        left = self.value_pretrain.max_steps - self.value_pretrain.steps_run
+        return f"Value pretraining: up to {left} steps on the starting policy's rollouts before PPO's first step."
 
     def count_step(self, metrics: Dict[str, float], pretraining: bool) -> Optional[str]:
         """Counts the step just run, and its batch. A PPO step counts in ``steps_run``; a value
@@ -100,6 +119,8 @@ class Progress:
                  "batches_run_in_epoch": self.batches_run_in_epoch, "value_pretrain": self.value_pretrain.state_dict()}
         if self.data_identity is not None:  # checked on resume, by the preflight; never restored
             state["data_identity"] = self.data_identity
+        if self.evaluation.history:
+            state["evaluation"] = self.evaluation.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -107,4 +128,5 @@ class Progress:
         self.steps_run, self.epochs_run = int(state["steps_run"]), int(state["epochs_run"])
         self.batches_run_in_epoch = int(state["batches_run_in_epoch"])
         self.value_pretrain.load_state_dict(state.get("value_pretrain"), ppo_steps_run=self.steps_run)
+        self.evaluation.load_state_dict(state.get("evaluation"))
         self.last_saved_step = self.global_step

@@ -3,18 +3,20 @@
     python -m torchtune_ppo.run.watch <output_dir> [--out run.png]
 
 draws reward, KL, response length and step time against the step from the run's DiskLogger
-file (``<output_dir>/logs``) into one PNG (matplotlib, ``pip install matplotlib``).
+file (``<output_dir>/logs``) into one PNG (matplotlib, ``pip install matplotlib``), with the
+held-out evaluations' ``val/`` metrics in a panel of their own when the run logged any.
 """
 
 import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from torchtune_ppo.run.logs import read_disk_log
+from torchtune_ppo.checkpointing.store import existing_checkpoints
+from torchtune_ppo.run.logs import read_disk_log, read_eval_log
 from torchtune_ppo.rlhf import Trajectory
 
 SAMPLES_FILE = "samples.jsonl"
@@ -73,6 +75,30 @@ def log_samples(rows: Sequence[Dict[str, Any]], step: int, log_dir: Optional[str
         wandb.log({"samples": table}, step=step)
 
 
+class SampleLog:
+    """Every ``every`` steps, the first ``n`` rows of the step through :func:`log_samples` (rank 0 only).
+
+    Args:
+        every (Optional[int]): steps between two logs (``log_samples_every_n_steps``); None: never.
+        tokenizer (Any): decodes the rows.
+        prompt_len (int): ``P``.
+        log_dir (Optional[str]): where ``samples.jsonl`` goes.
+        log: the run's logger.
+        rank_zero (bool): this process logs.
+        n (int): rows per log.
+    """
+
+    def __init__(self, every: Optional[int], tokenizer: Any, prompt_len: int, log_dir: Optional[str], log,
+                 rank_zero: bool = True, n: int = 4) -> None:
+        self.every, self.tokenizer, self.prompt_len, self.log_dir = every, tokenizer, prompt_len, log_dir
+        self.log, self.rank_zero, self.n = log, rank_zero, n
+
+    def __call__(self, trajectory: Trajectory, prompt_lens: torch.Tensor, step: int) -> None:
+        if self.rank_zero and self.every and step % self.every == 0:
+            rows = sample_rows(trajectory, prompt_lens, self.tokenizer, self.prompt_len, n=self.n)
+            log_samples(rows, step, self.log_dir, self.log)
+
+
 def progress(metrics: Dict[str, float]) -> Dict[str, str]:
     """The progress bar's postfix: mean score, KL and the seconds of each phase group."""
     return {
@@ -84,16 +110,34 @@ def progress(metrics: Dict[str, float]) -> Dict[str, str]:
     }
 
 
-def run_summary(rows: Sequence[Dict[str, float]], checkpoints: Sequence[Path]) -> str:
-    """Steps run, the mean score of the first and last fifth of the steps, where checkpoints are."""
+def run_summary(rows: Sequence[Dict[str, float]], checkpoints: Union[str, Path, Sequence[Path]],
+                evaluation: Optional[Any] = None) -> str:
+    """Steps run, the mean score of the first and last fifth of the steps, where checkpoints are,
+    and the held-out evaluations with the best checkpoint.
+
+    Args:
+        rows (Sequence[Dict[str, float]]): each PPO step's ``{"scores": ...}``.
+        checkpoints (Union[str, Path, Sequence[Path]]): the checkpoint folders, or the run's
+            ``output_dir`` to list them from.
+        evaluation (Optional[Any]): the run's :class:`~torchtune_ppo.eval.record.EvalRecord`.
+    """
+    if isinstance(checkpoints, (str, Path)):
+        checkpoints = existing_checkpoints(checkpoints)
+    where = ", ".join(str(p) for p in checkpoints) if checkpoints else "none"
+    held_out = evaluation.summary() if evaluation is not None else None
+    if held_out is not None and evaluation.best_step:
+        best = [p for p in checkpoints if Path(p).name == f"step_{evaluation.best_step}"]
+        held_out += f" (checkpoint {best[0] if best else 'not kept'})"
+    elif held_out is not None and evaluation.best_step == 0:
+        held_out += " (the starting weights)"
+    held_out = f" Held-out: {held_out}." if held_out else ""
     if not rows:
-        return "No step was logged."
+        return f"No step was logged.{held_out}"
     fifth = max(1, len(rows) // 5)
     first = sum(r["scores"] for r in rows[:fifth]) / fifth
     last = sum(r["scores"] for r in rows[-fifth:]) / fifth
-    where = ", ".join(str(p) for p in checkpoints) if checkpoints else "none"
     return (f"Run done: {len(rows)} steps logged; mean score {first:.3f} over the first "
-            f"{fifth} step(s), {last:.3f} over the last {fifth}. Checkpoints: {where}.")
+            f"{fifth} step(s), {last:.3f} over the last {fifth}. Checkpoints: {where}.{held_out}")
 
 
 def plot(log_dir: Path, out: Path) -> Path:
@@ -103,13 +147,25 @@ def plot(log_dir: Path, out: Path) -> Path:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    rows = read_disk_log(log_dir)
+    rows, evals = read_disk_log(log_dir), read_eval_log(log_dir)
     steps = list(range(1, len(rows) + 1))
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    columns = 3 if evals else 2
+    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 6.5), sharex=True)
+    for ax, (key, title) in zip([*axes[0][:2], *axes[1][:2]], PANELS):
         ax.plot(steps, [r.get(key, float("nan")) for r in rows], marker=".", linewidth=1)
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
+    if evals:  # the held-out scores, and the length of the held-out responses
+        val_steps = [step for step, _ in evals]
+        keys = sorted({k for _, m in evals for k in m if k.startswith("val/") and k != "val/response_length"})
+        for key in keys:
+            axes[0][2].plot(val_steps, [m.get(key, float("nan")) for _, m in evals], marker="o", label=key)
+        axes[0][2].legend(fontsize=8)
+        axes[0][2].set_title("held-out evaluation", fontsize=10)
+        axes[1][2].plot(val_steps, [m.get("val/response_length", float("nan")) for _, m in evals], marker="o")
+        axes[1][2].set_title("held-out response length (tokens)", fontsize=10)
+        for ax in axes[:, 2]:
+            ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("PPO step")
     fig.suptitle(str(log_dir), fontsize=9)

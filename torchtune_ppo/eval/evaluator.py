@@ -1,0 +1,239 @@
+"""Evaluation during training: the policy's responses to held-out prompts, scored, as ``val/`` metrics.
+
+:class:`Evaluator` is what the recipe calls after each step (:meth:`Evaluator.when_due`). It
+generates with its own :class:`~torchtune_ppo.rollout.generation.Generator` on the policy (its
+own KV cache and sampling settings, the run's prefill and decode step, compiled when
+``compile.generate`` is), from its own random stream seeded by the run's seed and the step, so
+the training's streams are never drawn from: a run with evaluation trains exactly as one
+without. Each process evaluates its own block of the prompts; the sums are added over processes
+before the means are taken. The scores are the reward's (the training reward or
+``eval.reward``) with the training's penalties; a response is correct when its score reaches
+``eval.correct_threshold``.
+"""
+
+import contextlib
+import time
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torchtune import config, utils
+
+from torchtune_ppo import distributed
+from torchtune_ppo.eval.data import EvalPrompts
+from torchtune_ppo.eval.metrics import eval_metrics, part_names, prompt_shard, sum_over_processes, tally
+from torchtune_ppo.eval.record import EvalRecord
+from torchtune_ppo.rewards import FunctionReward, ModelReward, WeightedSum
+from torchtune_ppo.rlhf import ScoringSettings, get_reward_penalty_mask, repeat_prompts, truncated
+from torchtune_ppo.rollout import Rollout
+from torchtune_ppo.rollout.generation import GenerationSteps, Generator
+
+__all__ = ["EvalScorer", "Evaluator", "build_evaluator", "eval_mode", "eval_seed", "reward_parts"]
+
+
+def eval_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of the evaluation's random stream after ``step`` steps on process ``rank``."""
+    return (int(seed) * 1_000_003 + int(step) * 1_009 + int(rank)) % (2**63)
+
+
+class EvalScorer:
+    """Scores of generated rows: the reward's, then the training's penalties (no KL).
+
+    Args:
+        reward (Union[FunctionReward, ModelReward]): a function of the decoded texts, or a reward
+            model read at each row's last valid token.
+        settings (ScoringSettings): ``prompt_len`` (the evaluation's ``P``), ``pad_id`` and the
+            penalties.
+        stop_token_ids (torch.Tensor): ``[n_stop]`` on the models' device.
+        parts (Optional[Mapping[str, FunctionReward]]): the parts of a combined reward, each scored
+            on its own as well (their means are logged as ``val/reward/<name>``).
+    """
+
+    def __init__(self, reward: Union[FunctionReward, ModelReward], settings: ScoringSettings,
+                 stop_token_ids: torch.Tensor, parts: Optional[Mapping[str, FunctionReward]] = None) -> None:
+        self.reward, self.settings, self.stop_token_ids = reward, settings, stop_token_ids
+        self.parts = dict(parts or {})
+
+    def __call__(self, query_responses: torch.Tensor, prompt_lens: torch.Tensor,
+                 references: Sequence[Optional[str]]) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+        """``[b]`` scores (float32) and valid lengths of ``query_responses [b, P + T]``, and each part's
+        ``[b]`` scores."""
+        P = self.settings.prompt_len
+        rows, padding, masks, positions = truncated(query_responses, prompt_lens, self.stop_token_ids, self.settings)
+        seq_lens = (~padding).sum(-1)  # [b], stop token included
+        if isinstance(self.reward, ModelReward):
+            scores = self.reward(rows, masks, positions, (P + seq_lens - 1).clamp(min=0))
+        else:
+            scores = self._function(self.reward, rows, prompt_lens, seq_lens, references)
+        parts = {name: self._function(fn, rows, prompt_lens, seq_lens, references) for name, fn in self.parts.items()}
+        penalty = get_reward_penalty_mask(padding, seq_lens, self.stop_token_ids, rows[:, P:],
+                                          self.settings.penalise_no_eos, self.settings.min_response_length)
+        scores = torch.where(penalty, torch.full_like(scores, self.settings.reward_penalty), scores.float())
+        return scores, seq_lens, parts
+
+    def _function(self, fn: FunctionReward, rows, prompt_lens, seq_lens, references) -> torch.Tensor:
+        return fn.score_batch(rows, prompt_lens, seq_lens, list(references), prompt_len=self.settings.prompt_len,
+                              stop_token_ids=self.stop_token_ids)
+
+
+@contextlib.contextmanager
+def eval_mode(*models: nn.Module) -> Iterator[None]:
+    """Every module of ``models`` in eval mode for the block, each back to its own mode after."""
+    modes = [(m, m.training) for model in models for m in model.modules()]
+    for model in models:
+        model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+class Evaluator:
+    """Evaluates the policy when the record says it is due; see the module's docstring.
+
+    Args:
+        generator (Optional[Generator]): the evaluation's generator on the policy; None when
+            evaluation is off.
+        prompts (Optional[EvalPrompts]): every evaluation prompt (each process takes its block).
+        scorer (Optional[EvalScorer]): scores the responses.
+        record (EvalRecord): when to evaluate, the history, the best and the stopping rule.
+        num_samples (int): ``k``, responses per prompt.
+        correct_threshold (float): a response is correct when its score is at least this.
+        seed (int): the run's seed; each evaluation's stream is seeded from it and the step.
+        models (Sequence[nn.Module]): the models the evaluation runs (the policy, a reward model):
+            put in eval mode, and gathered whole when sharded, for the evaluation.
+        warm_up (Callable[[], ContextManager]): entered around this process's first evaluation,
+            whose graphs are compiled then (the run's recompile counter leaves them out).
+        log_dict (Optional[Callable]): the metric logger's ``log_dict(metrics, step=...)``.
+        keep_step (Optional[Callable[[int], None]]): told the step of a new best, whose checkpoint
+            pruning must keep.
+        log: where each evaluation's line goes (on rank 0).
+    """
+
+    def __init__(self, generator: Optional[Generator], prompts: Optional[EvalPrompts], scorer: Optional[EvalScorer],
+                 record: EvalRecord, *, num_samples: int = 1, correct_threshold: float = 1.0, seed: int = 0,
+                 models: Sequence[nn.Module] = (), warm_up: Callable[[], ContextManager] = contextlib.nullcontext,
+                 log_dict: Optional[Callable] = None, keep_step: Optional[Callable[[int], None]] = None,
+                 log=None) -> None:
+        self.generator, self.prompts, self.scorer, self.record = generator, prompts, scorer, record
+        self.num_samples, self.correct_threshold, self.seed = num_samples, correct_threshold, seed
+        self.models = list(models)
+        self._warm_up, self._warmed = warm_up, False
+        self._log_dict, self._keep_step, self._log = log_dict, keep_step, log
+        if keep_step is not None and record.best_step:  # resumed: the best's checkpoint stays
+            keep_step(record.best_step)
+
+    def when_due(self, progress) -> bool:
+        """Evaluates after ``progress.global_step`` steps when due; True when that is a new best
+        of a trained policy (step > 0), whose checkpoint the run then saves."""
+        step = progress.global_step
+        if not self.record.due(step, last_step=progress.all_steps_run):
+            return False
+        start = time.perf_counter()
+        metrics = self.evaluate(step)
+        improved = self.record.add(step, metrics)
+        metrics["time/eval"] = time.perf_counter() - start
+        if self._log_dict is not None:
+            self._log_dict(metrics, step=step)
+        if self._log is not None and distributed.rank() == 0:
+            shown = " | ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+            self._log.info(f"step {step} | {shown}{' | new best' if improved else ''}")
+            if self.record.stopped:
+                self._log.info(self.record.stop_message())
+        if improved and step > 0 and self._keep_step is not None:
+            self._keep_step(step)
+        return improved and step > 0
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> Dict[str, float]:
+        """The ``val/`` metrics of the policy now, over every process's prompts."""
+        rank, world = distributed.rank(), distributed.world_size()
+        gen = self.generator
+        rows = prompt_shard(len(self.prompts.prompt_lens), rank, world)
+        tokens, lens = self.prompts.tokens[rows.start:rows.stop], self.prompts.prompt_lens[rows.start:rows.stop]
+        tokens, lens, refs = repeat_prompts(tokens, lens, self.prompts.references[rows.start:rows.stop],
+                                            self.num_samples)
+        rng = torch.Generator(gen.device).manual_seed(eval_seed(self.seed, step, rank))
+        scores: List[torch.Tensor] = []
+        lengths: List[torch.Tensor] = []
+        parts: Dict[str, List[torch.Tensor]] = {name: [] for name in self.scorer.parts}
+        warm_up = contextlib.nullcontext() if self._warmed else self._warm_up()
+        with warm_up, eval_mode(*self.models), distributed.gathered(*self.models):
+            for i in range(0, len(lens), gen.batch_size):
+                chunk = slice(i, i + gen.batch_size)
+                p, n = tokens[chunk].to(gen.device), lens[chunk].to(gen.device)
+                out = gen.generate(p, n, rng=rng)
+                s, length, part = self.scorer(out.query_responses, n, refs[chunk])
+                scores.append(s)
+                lengths.append(length)
+                for name, v in part.items():
+                    parts[name].append(v)
+        self._warmed = True
+        empty = torch.zeros(0, device=gen.device)
+        sums = tally(torch.cat(scores) if scores else empty, torch.cat(lengths) if lengths else empty,
+                     num_samples=self.num_samples, correct_threshold=self.correct_threshold,
+                     parts={k: torch.cat(v) if v else empty for k, v in parts.items()})
+        return eval_metrics(sum_over_processes(sums, distributed.all_reduce_sum), self.num_samples)
+
+
+def reward_parts(reward: Union[FunctionReward, ModelReward], tokenizer) -> Dict[str, FunctionReward]:
+    """The parts of a ``WeightedSum`` function reward by metric name; none for anything else."""
+    fn = getattr(reward, "fn", None)
+    if not isinstance(fn, WeightedSum):
+        return {}
+    names = part_names([getattr(f, "__name__", type(f).__name__) for f in fn.rewards])
+    return {name: FunctionReward(f, tokenizer) for name, f in zip(names, fn.rewards)}
+
+
+def build_evaluator(block: DictConfig, checked: Any, rollout: Rollout, steps: GenerationSteps, record: EvalRecord,
+                    *, seed: int, warm_up: Callable[[], ContextManager] = contextlib.nullcontext,
+                    log_dict: Optional[Callable] = None,
+                    keep_step: Optional[Callable[[int], None]] = None) -> Evaluator:
+    """The run's :class:`Evaluator` from its ``eval`` block, on the rollout's policy and reward.
+
+    Args:
+        block (DictConfig): the config's ``eval`` block.
+        checked (Any): the preflight's result (:class:`~torchtune_ppo.config.preflight.Preflight`):
+            its ``eval_prompts`` (None when evaluation is off) and ``tokenizer``.
+        rollout (Rollout): the training rollout: its policy, reward, stop tokens and penalties.
+        steps (GenerationSteps): the run's prefill and decode step (compiled or eager).
+        record (EvalRecord): the run's record (``Progress.evaluation``), restored on resume.
+        seed (int): the run's seed.
+        warm_up, log_dict, keep_step: see :class:`Evaluator`.
+
+    Raises:
+        ValueError: naming ``eval.max_generated_tokens`` when ``P + T`` exceeds a model's
+            ``max_seq_len``, or ``eval.best_metric`` when it names a part the reward does not have.
+    """
+    if not record.enabled:
+        return Evaluator(None, None, None, record)
+    prompts, tokenizer, train_gen = checked.eval_prompts, checked.tokenizer, rollout.generator
+    reward = (FunctionReward(config.instantiate(block.reward), tokenizer) if block.reward is not None
+              else rollout.reward)
+    parts = reward_parts(reward, tokenizer)
+    names = [f"val/reward/{name}" for name in parts]
+    if block.best_metric.startswith("val/reward/") and block.best_metric not in names:
+        raise ValueError(f"eval.best_metric={block.best_metric!r} is not a part of the evaluation's reward "
+                         f"{getattr(reward, 'fn', reward)!r}; its parts log {names or 'nothing (not a WeightedSum)'}.")
+    T = block.max_generated_tokens or train_gen.max_generated_tokens
+    models = [train_gen.model] + ([reward.model] if isinstance(reward, ModelReward) else [])
+    for model in models:
+        limit = getattr(model, "max_seq_len", None)
+        if limit is not None and prompts.prompt_len + T > limit:
+            raise ValueError(
+                f"the evaluation prompts' width + eval.max_generated_tokens ({prompts.prompt_len} + {T}) exceeds "
+                f"the model's max_seq_len ({limit}); lower eval.max_generated_tokens, or set max_prompt_len (with "
+                "long_prompts=truncate each prompt keeps its last tokens).")
+    generator = Generator(
+        train_gen.model, batch_size=block.batch_size or train_gen.batch_size, max_prompt_len=prompts.prompt_len,
+        max_generated_tokens=T, pad_id=train_gen.pad_id, stop_token_ids=train_gen.stop_token_ids,
+        temperature=float(block.temperature), top_k=block.top_k, top_p=block.top_p, steps=steps,
+        dtype=train_gen.dtype, device=train_gen.device,
+    )
+    settings = rollout.settings._replace(prompt_len=prompts.prompt_len, temperature=float(block.temperature))
+    scorer = EvalScorer(reward, settings, rollout.stop_token_ids, parts)
+    return Evaluator(generator, prompts, scorer, record, num_samples=block.num_samples,
+                     correct_threshold=float(block.correct_threshold), seed=seed, models=models,
+                     warm_up=warm_up, log_dict=log_dict, keep_step=keep_step, log=utils.get_logger("INFO"))
