@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from torchtune_ppo.checkpointing.store import load_training_state
-from torchtune_ppo.run.logs import read_disk_log
+from torchtune_ppo.run.logs import read_disk_log, read_eval_log
 from torchtune_ppo.tasks.tiny_sentiment import tiny_policy
 
 from conftest import assert_compiled_matches_eager
@@ -132,19 +132,23 @@ GRPO_GREEDY = ("advantage_estimator=grpo", "num_samples_per_prompt=2", "forward_
 
 @pytest.fixture(scope="module")
 def one_eager_grpo_process(tmp_path_factory):
+    """The run's logged rows, and its held-out evaluations (the config's: greedy, before step 1
+    and after the last)."""
     from test_distributed import _run
 
-    return _run(tmp_path_factory.mktemp("grpo_one") / "run", 1, *GRPO_GREEDY, config=GRPO_CONFIG)
+    out = tmp_path_factory.mktemp("grpo_one") / "run"
+    return _run(out, 1, *GRPO_GREEDY, config=GRPO_CONFIG), read_eval_log(out / "logs")
 
 
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
 def test_compiled_two_processes_match_one_eager_process_without_a_value_model(one_eager_grpo_process, tmp_path):
     """compile=True on 2 processes with no value model: generation, scoring (the reference,
     sharded and gathered) and the policy-only loss step under FSDP2 log the 1-process eager
-    GRPO run's numbers, with nothing recompiled after step 1."""
+    GRPO run's numbers, with nothing recompiled after step 1; the held-out evaluations, each
+    process generating for its half of the prompts, log the 1-process run's metrics."""
     from test_distributed import _assert_rows_match, _launch
 
-    one = one_eager_grpo_process
+    one, one_evals = one_eager_grpo_process
     out = _launch(tmp_path / "two", 2, *GRPO_GREEDY, "compile=True", "shard_frozen_models=True", timeout=600,
                   config=GRPO_CONFIG)
     assert "CompileConfig(generate=True, trajectory=True, loss_step=True, rollout=False" in out
@@ -161,3 +165,9 @@ def test_compiled_two_processes_match_one_eager_process_without_a_value_model(on
     assert abs(one[1]["kl"]) > 1e-6 and abs(one[1]["kl_loss"]) > 1e-9
     assert sorted(p.name for p in (tmp_path / "two/checkpoints/step_2").iterdir()) == [
         "COMPLETE", "config.yaml", "policy", "training_state.pt"]
+    # each process evaluates its half of the 500 held-out problems: the sums give the one process's metrics
+    two_evals = read_eval_log(tmp_path / "two/logs")
+    assert [step for step, _ in two_evals] == [step for step, _ in one_evals] == [0, 2]
+    for (_, a), (_, b) in zip(one_evals, two_evals):
+        assert {k: v for k, v in a.items() if k != "time/eval"} == pytest.approx(
+            {k: v for k, v in b.items() if k != "time/eval"}, rel=1e-12)

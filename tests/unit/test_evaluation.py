@@ -2,6 +2,7 @@
 early stop, the scores, the prompts, the config, the recompile counter and the kept checkpoint."""
 
 import itertools
+import json
 import logging
 import math
 from fractions import Fraction
@@ -289,8 +290,6 @@ def test_the_default_eval_dataset_is_the_held_out_split(tmp_path):
     assert default_eval_dataset(cfg.dataset).field == "heldout" and cfg.dataset.field == "train"
     tokenizer = tt_config.instantiate(cfg.tokenizer)
     prompts = eval_prompts(cfg, tokenizer, LOG)
-    import json
-
     heldout = json.loads(Path(cfg.dataset.data_files).read_text())["heldout"][:20]
     assert prompts.references == [r["answer"] for r in heldout] and prompts.tokens.shape == (20, 8)
     row = prompts.tokens[0, 8 - int(prompts.prompt_lens[0]):].tolist()
