@@ -228,7 +228,7 @@ def test_two_processes_evaluate_their_blocks_and_their_sums_give_the_one_process
     ev = _evaluator(num_samples=2)
     one = ev.evaluate(step=3)
     sums = []
-    monkeypatch.setattr(evaluator_module, "sum_over_processes", lambda s, reduce: sums.append(s) or s)
+    monkeypatch.setattr(evaluator_module, "sum_over_processes", lambda s, reduce, device: sums.append(s) or s)
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     for r in (0, 1):
         monkeypatch.setattr(distributed, "rank", lambda r=r: r)

@@ -175,7 +175,7 @@ class Evaluator:
         sums = tally(torch.cat(scores) if scores else empty, torch.cat(lengths) if lengths else empty,
                      num_samples=self.num_samples, correct_threshold=self.correct_threshold,
                      parts={k: torch.cat(v) if v else empty for k, v in parts.items()})
-        return eval_metrics(sum_over_processes(sums, distributed.all_reduce_sum), self.num_samples)
+        return eval_metrics(sum_over_processes(sums, distributed.all_reduce_sum, gen.device), self.num_samples)
 
 
 def reward_parts(reward: Union[FunctionReward, ModelReward], tokenizer) -> Dict[str, FunctionReward]:

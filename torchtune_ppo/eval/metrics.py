@@ -81,9 +81,11 @@ def tally(
     return sums
 
 
-def sum_over_processes(sums: Mapping[str, float], all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> Dict[str, float]:
-    """Every process's :func:`tally` added up, through ``all_reduce_sum`` (float64)."""
-    total = all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64))
+def sum_over_processes(sums: Mapping[str, float], all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                       device: Optional[torch.device] = None) -> Dict[str, float]:
+    """Every process's :func:`tally` added up, through ``all_reduce_sum`` (float64, on ``device``:
+    the one the process group communicates from, e.g. the GPU under NCCL)."""
+    total = all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64, device=device))
     return dict(zip(sums, total.tolist()))
 
 
