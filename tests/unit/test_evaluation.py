@@ -203,6 +203,28 @@ def test_a_reward_model_is_read_at_the_last_valid_token():
     assert scores.tolist() == pytest.approx([float(a) for a in alone], abs=1e-5)
 
 
+@torch.no_grad()
+def test_scores_are_the_training_rollouts_scores():
+    """A reward model with the no-stop-token penalty: the evaluation's scores of a rollout's
+    responses are the scores the training's packed scoring gave them."""
+    from torchtune_ppo.rollout import Rollout
+    from torchtune_ppo.run.metrics import PhaseTimer
+
+    policy, ref, value, reward = tiny_policy(0), tiny_policy(0), tiny_classifier(1), tiny_classifier(2)
+    policy.tok_embeddings.weight.mul_(0.15)  # flatter next-token distributions: some rows never stop
+    gen = Generator(policy, batch_size=4, max_prompt_len=6, max_generated_tokens=4, pad_id=PAD_ID,
+                    stop_token_ids=[EOS_ID, 7, 9])
+    lens = torch.tensor([6, 1, 3, 5, 2, 4, 6, 2])
+    prompts = left_padded_prompts(lens.tolist(), 6, seed=2)
+    rollout = Rollout(gen, ref, value, ModelReward(reward), torch.tensor([EOS_ID, 7, 9]), _settings(6))
+    trajectory = rollout(prompts, lens, torch.Generator().manual_seed(0), PhaseTimer(torch.device("cpu")))
+    scores, seq_lens, _ = EvalScorer(ModelReward(reward), _settings(6), torch.tensor([EOS_ID, 7, 9]))(
+        trajectory.query_responses, lens, [None] * 8)
+    assert (scores == -3.0).any() and (scores != -3.0).any()  # penalised rows and scored ones
+    torch.testing.assert_close(scores, trajectory.scores, atol=1e-5, rtol=0)
+    assert torch.equal(seq_lens, trajectory.seq_lens)
+
+
 # ----------------------------------------------------------------------------- the evaluator
 
 
