@@ -174,12 +174,13 @@ def test_a_resumed_run_continues_the_count_and_stops_where_the_run_did(evaluated
 
 
 def test_compiled_the_first_evaluation_after_step_1_is_not_a_recompile(evaluated, tmp_path):
-    """compile=True (dynamo's guards, on its eager backend) with the first evaluation at step 2:
+    """compile.generate (dynamo's guards, on its eager backend) with the first evaluation at step 2:
     its greedy prefill and decode are traced then, after step 1, yet ``recompiles`` stays 0; its
     metrics are the eager run's."""
     out, _ = evaluated
     compiled = tmp_path / "compiled"
-    proc = _tune(compiled, *EVAL, "num_ppo_steps=3", "eval.before_training=False", "compile=True",
+    proc = _tune(compiled, *EVAL, "num_ppo_steps=3", "eval.before_training=False", "compile.generate=True",
+                 "compile.trajectory=False", "compile.loss_step=False", "compile.rollout=False",
                  env={"TORCHTUNE_PPO_COMPILE_BACKEND": "eager", "TORCH_LOGS": "dynamo"})
     traced = re.findall(r"torchdynamo done tracing (\w+)", proc.stderr)
     # training's sampled steps, then the evaluation's greedy ones: two graphs each
