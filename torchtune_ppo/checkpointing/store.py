@@ -813,8 +813,9 @@ def check_writable(output_dir: Union[str, Path]) -> None:
 def checkpoint_to_resume(output_dir: Union[str, Path], resume: bool) -> Optional[str]:
     """The checkpoint a run starts from: None for a fresh run, the newest complete one to resume.
 
-    First takes the output folder's lock (:func:`lock_output_dir`). Resuming, damaged or
-    incomplete step folders newer than the one chosen are set aside (renamed, never deleted).
+    Takes the output folder's lock (:func:`lock_output_dir`) unless it refuses first (a refused
+    run leaves the folder as it was). Resuming, damaged or incomplete step folders newer than the
+    one chosen are set aside (renamed, never deleted), under the lock.
 
     Args:
         output_dir (Union[str, Path]): the run's output folder.
@@ -825,7 +826,6 @@ def checkpoint_to_resume(output_dir: Union[str, Path], resume: bool) -> Optional
         FileNotFoundError: resuming, but no complete checkpoint is there.
         RuntimeError: another run holds the folder's lock.
     """
-    lock_output_dir(output_dir)
     if not resume:
         existing = existing_checkpoints(output_dir)
         if existing:
@@ -834,7 +834,10 @@ def checkpoint_to_resume(output_dir: Union[str, Path], resume: bool) -> Optional
                 f"({', '.join(str(p) for p in existing[:3])}); a fresh run would overwrite "
                 "them. Resume with resume_from_checkpoint=True, or choose another output_dir."
             )
+        lock_output_dir(output_dir)  # after the refusal above: a refused run leaves the folder untouched
         return None
+    if (Path(output_dir) / CHECKPOINTS_DIRNAME).is_dir():
+        lock_output_dir(output_dir)  # before anything is set aside
     # Rank 0 checks every file and sets damaged folders aside; the other ranks take its answer.
     latest = latest_checkpoint(output_dir, verify=True, set_aside_damaged=True) if _rank() == 0 else None
     if _world_size() > 1:
