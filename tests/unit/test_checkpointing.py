@@ -591,31 +591,32 @@ def test_a_checkpoint_holds_no_copy_of_its_source_folders_manifest(tmp_path, sta
     assert "policy/manifest.json" not in json.loads((path / ckpt.MARKER_FNAME).read_text())["files"]
 
 
-_LOCK_SCRIPT = textwrap.dedent("""
-    import sys
-    from torchtune_ppo.checkpointing import store
-    try:
-        store.lock_output_dir(sys.argv[1])
-    except RuntimeError as e:
-        print("REFUSED", e)
-    else:
-        print("LOCKED")
-""")
+def test_a_second_run_in_the_same_output_dir_is_refused_while_the_first_holds_it(tmp_path, monkeypatch):
+    import fcntl
 
-
-def test_a_second_run_in_the_same_output_dir_is_refused_while_the_first_holds_it(tmp_path):
     out = tmp_path / "run"
     ckpt.checkpoint_to_resume(out, False)  # takes the lock, as a fresh run's preflight does
     ckpt.lock_output_dir(out)  # again in the same process: a no-op
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    other = subprocess.run([sys.executable, "-c", _LOCK_SCRIPT, str(out)], env=env, capture_output=True,
-                           text=True, timeout=300)
-    assert other.stdout.startswith("REFUSED"), other.stdout + other.stderr
-    assert f"output_dir {str(out)!r} is in use by another run (pid {os.getpid()} on" in other.stdout
+    lock = out / ckpt.LOCK_FNAME
+    # Another run opens the lock file anew (a new open file description, as another process's).
+    with open(lock, "a+") as other, pytest.raises(BlockingIOError):
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holding = dict(ckpt._held_locks)
+    monkeypatch.setattr(ckpt, "_held_locks", {})  # as a process that does not hold it
+    with pytest.raises(RuntimeError) as err:
+        ckpt.lock_output_dir(out)
+    assert f"output_dir {str(out)!r} is in use by another run (pid {os.getpid()} on" in str(err.value)
+    monkeypatch.setattr(ckpt, "_held_locks", holding)
     ckpt.release_output_dir(out)
-    other = subprocess.run([sys.executable, "-c", _LOCK_SCRIPT, str(out)], env=env, capture_output=True,
-                           text=True, timeout=300)
-    assert other.stdout.startswith("LOCKED"), other.stdout + other.stderr
+    with open(lock, "a+") as other:  # let go: another run may take it
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(other, fcntl.LOCK_UN)
+    # A refused fresh run leaves a folder with checkpoints untouched: no lock file written.
+    refused = tmp_path / "refused"
+    (refused / ckpt.CHECKPOINTS_DIRNAME / "step_1").mkdir(parents=True)
+    with pytest.raises(FileExistsError):
+        ckpt.checkpoint_to_resume(refused, False)
+    assert not (refused / ckpt.LOCK_FNAME).exists()
 
 
 def test_the_accuracy_script_reads_the_prompt_settings_of_the_run_that_saved_the_policy(tmp_path):
