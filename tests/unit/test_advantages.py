@@ -3,7 +3,6 @@ by hand, and their config rules."""
 
 import json
 import math
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +17,8 @@ from torchtune_ppo.ppo import advantages as adv_module
 from torchtune_ppo.config.checks import check_world_size
 from torchtune_ppo.ppo.advantages import AdvantageSettings, estimate_advantages, group_metrics
 from torchtune_ppo.rlhf import discounted_returns, group_baseline, repeat_prompts
+
+from twins.ranks import on_two_ranks
 
 CONFIG = Path(__file__).parents[2] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
 F64 = torch.float64
@@ -162,34 +163,14 @@ def test_two_ranks_give_the_one_process_advantages(monkeypatch):
     one = {e: _estimate(traj, advantage_estimator=e, **kw).advantages for e in estimators}
     one_metrics = group_metrics(traj.scores, n)
 
-    barrier, shared = threading.Barrier(2), [None, None]
-    rank_of = {}
-
-    def all_reduce_sum(x):  # both threads' x, summed
-        r = rank_of[threading.get_ident()]
-        shared[r] = x.clone()
-        barrier.wait()
-        total = shared[0] + shared[1]
-        barrier.wait()
-        return total
-
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
-    monkeypatch.setattr(distributed, "all_reduce_sum", all_reduce_sum)
-    results = [{}, {}]
-
     def rank(r):
-        rank_of[threading.get_ident()] = r
         rows = slice(r * b // 2, (r + 1) * b // 2)
         part = SimpleNamespace(**{k: v[rows] for k, v in vars(traj).items()})
-        for e in estimators:
-            results[r][e] = _estimate(part, advantage_estimator=e, **kw).advantages
-        results[r]["metrics"] = group_metrics(part.scores, n)
+        out = {e: _estimate(part, advantage_estimator=e, **kw).advantages for e in estimators}
+        out["metrics"] = group_metrics(part.scores, n)
+        return out
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    results = on_two_ranks(monkeypatch, rank)
     for e in estimators:
         torch.testing.assert_close(torch.cat([results[0][e], results[1][e]]), one[e], rtol=1e-12, atol=1e-12)
     assert results[0]["metrics"] == results[1]["metrics"] == pytest.approx(one_metrics, rel=1e-12)

@@ -5,7 +5,6 @@ logged loss statistics under every loss aggregation on a ragged batch."""
 
 import math
 import statistics
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +19,8 @@ from torchtune_ppo.ppo.update import LossSettings, PPOUpdate, nonfinite_score_ro
 from torchtune_ppo.rlhf import Trajectory, masks_and_positions
 from torchtune_ppo.rlhf.kl import kl_loss_estimate
 from torchtune_ppo.run.metrics import PhaseTimer, step_metrics
+
+from twins.ranks import on_two_ranks
 
 F64 = torch.float64
 INF = float("inf")
@@ -85,31 +86,12 @@ def test_whiten_rewards_over_two_ranks_is_the_one_process_whitening(monkeypatch)
     settings = AdvantageSettings(gamma=0.9, lmbda=0.8, whiten_rewards=True, kl_estimator="k1")
     one = estimate_advantages(traj, settings, kl_coeff=0.2)
 
-    barrier, shared, rank_of = threading.Barrier(2), [None, None], {}
-
-    def all_reduce_sum(x):  # both threads' x, summed
-        r = rank_of[threading.get_ident()]
-        shared[r] = x.clone()
-        barrier.wait()
-        total = shared[0] + shared[1]
-        barrier.wait()
-        return total
-
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
-    monkeypatch.setattr(distributed, "all_reduce_sum", all_reduce_sum)
-    results = [None, None]
-
     def rank(r):
-        rank_of[threading.get_ident()] = r
         rows = slice(r * b // 2, (r + 1) * b // 2)
-        part = SimpleNamespace(**{k: v[rows] for k, v in vars(traj).items()})
-        results[r] = estimate_advantages(part, settings, kl_coeff=0.2)
+        return estimate_advantages(SimpleNamespace(**{k: v[rows] for k, v in vars(traj).items()}), settings,
+                                   kl_coeff=0.2)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    results = on_two_ranks(monkeypatch, rank)
     for field in ("returns", "advantages"):
         two = torch.cat([getattr(results[0], field), getattr(results[1], field)])
         torch.testing.assert_close(two, getattr(one, field), rtol=1e-12, atol=1e-12, msg=field)

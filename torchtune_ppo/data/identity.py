@@ -22,7 +22,6 @@ from omegaconf import ListConfig
 
 __all__ = ["DataChangedError", "check_resumed_data", "data_changes", "data_identity", "local_data_files"]
 
-_CHUNK = 1 << 20  # bytes read at a time while hashing
 _SHOWN = 12  # hex digits of a sha256 shown in a message
 
 
@@ -163,11 +162,8 @@ def check_resumed_data(saved: Optional[Mapping[str, Any]], current: Mapping[str,
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _change(what: str, old: Any, new: Any, unit: str = "") -> Optional[str]:
