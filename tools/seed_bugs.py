@@ -43,9 +43,11 @@ What counts, per mutant:
   ``caught``.
 - ``stale``: ``old`` is missing from the file, or occurs more than once: the list needs an
   update, nothing was run. ``invalid``: the mutated file does not parse.
-- ``error``: pytest could not run (usage error, no tests collected), or see ``caught``.
+- ``error``: pytest could not run (usage error, no tests collected).
+- ``not run``: the measurement was interrupted first (Ctrl-C, SIGTERM, SIGHUP); the line
+  printed then gives the ``--only`` command that runs the rest.
 
-The summary is caught / applicable (everything but ``stale`` and ``invalid``), overall and by
+The summary is caught / applicable (all but ``stale``, ``invalid``, ``not run``), overall and by
 area (the recipe's wiring, ``recipes/ppo_full_finetune.py``, against the library); it goes to
 stdout and, with every mutant's line and its test selection, as JSON to ``--out``
 (``/tmp/seed_bugs.json``, rewritten after each mutant). Each mutant's pytest output is in
@@ -627,12 +629,12 @@ def area(m: Mutation) -> str:
 
 def summarize(results: List[dict]) -> dict:
     def part(rows):
-        applicable = [r for r in rows if r["status"] not in ("stale", "invalid")]
+        applicable = [r for r in rows if r["status"] not in ("stale", "invalid", "not run")]
         caught = sum(r["status"] == "caught" for r in applicable)
         return {"caught": caught, "applicable": len(applicable),
                 "percent": round(100.0 * caught / len(applicable), 1) if applicable else None,
                 **{s: sum(r["status"] == s for r in rows)
-                   for s in ("missed", "timeout", "error", "stale", "invalid")}}
+                   for s in ("missed", "timeout", "error", "stale", "invalid", "not run")}}
     return {"all": part(results), "recipe": part([r for r in results if r["area"] == "recipe"]),
             "library": part([r for r in results if r["area"] == "library"])}
 
@@ -648,7 +650,8 @@ def _summary_lines(s: dict) -> List[str]:
     for name in ("all", "recipe", "library"):
         p = s[name]
         pct = "n/a" if p["percent"] is None else f"{p['percent']:.1f}%"
-        extra = ", ".join(f"{k} {p[k]}" for k in ("missed", "timeout", "error", "stale", "invalid") if p[k])
+        extra = ", ".join(f"{k} {p[k]}" for k in ("missed", "timeout", "error", "stale", "invalid", "not run")
+                          if p[k])
         out.append(f"{name:<8} caught {p['caught']}/{p['applicable']} = {pct}" + (f" ({extra})" if extra else ""))
     return out
 
@@ -737,7 +740,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     write_out(False)
             except KeyboardInterrupt:
                 interrupted = True
-                print("interrupted: the results so far follow", flush=True)
+                done = {r["id"] for r in results}
+                rest = [m for m in chosen if m.id not in done]
+                results.extend({"id": m.id, "path": m.path, "area": area(m), "what": m.what, "status": "not run",
+                                "detail": "", "seconds": 0.0, "first_failure": None, "tests": []} for m in rest)
+                print(f"interrupted: {len(rest)} mutations not run; to run them: "
+                      f"python tools/seed_bugs.py --only {','.join(m.id for m in rest)}", flush=True)
     finally:
         shutil.rmtree(plugin_dir, ignore_errors=True)
         write_out(not interrupted)

@@ -11,7 +11,6 @@ import torch
 from omegaconf import OmegaConf
 
 import torchtune_ppo  # noqa: F401  (registers the ppo_asset resolver)
-from torchtune_ppo import distributed
 from torchtune_ppo.config import validate_config
 from torchtune_ppo.ppo import advantages as adv_module
 from torchtune_ppo.config.checks import check_world_size
