@@ -356,3 +356,36 @@ def test_a_step_without_a_finite_value_loss_still_counts_towards_max_steps():
         pretrain.record(loss)
         assert pretrain.done == (k == 3)
     assert pretrain.losses == [4.0]
+
+
+# ---- the data order across epochs, and scoring's settings ---------------------------------
+
+
+@pytest.mark.slow
+def test_each_epoch_sees_the_prompts_in_a_new_order(make_recipe, tmp_path):
+    """``shuffle: True`` draws a new order every epoch: the sampler is told the epoch."""
+    import json
+
+    with open(torchtune_ppo.asset_path("tiny_sentiment/prompts.json")) as f:
+        data = tmp_path / "prompts.json"
+        data.write_text(json.dumps(json.load(f)[:16]))  # 2 batches of 8 an epoch
+    recipe, _ = make_recipe(**{"dataset.data_files": str(data), "num_ppo_steps": 4, "shuffle": True})
+    seen, train_step = [], recipe.train_step
+
+    def recording(prompts, *args, **kwargs):
+        seen.append(prompts.clone())
+        return train_step(prompts, *args, **kwargs)
+
+    recipe.train_step = recording
+    recipe.train()
+    assert len(seen) == 4
+    first, second = torch.cat(seen[:2]), torch.cat(seen[2:])
+    assert sorted(map(tuple, first.tolist())) == sorted(map(tuple, second.tolist()))  # the same prompts
+    assert not torch.equal(first, second)  # in another order
+
+
+@pytest.mark.slow
+def test_scoring_takes_the_configs_penalties_and_temperature(make_recipe):
+    recipe, _ = make_recipe(min_response_length=5, penalise_no_eos=False, reward_penalty=-7.0, temperature=0.9)
+    s = recipe._rollout.settings
+    assert (s.min_response_length, s.penalise_no_eos, s.reward_penalty, s.temperature) == (5, False, -7.0, 0.9)

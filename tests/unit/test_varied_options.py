@@ -276,3 +276,20 @@ def test_logged_stats_under_each_aggregation_by_hand(aggregation):
         assert logged[name] > 0.01, name
     others = {a: _aggregate(terms["policy_loss"], valid, [orders[0][:2], orders[0][2:]], a) for a in rlhf.AGGREGATIONS}
     assert len({round(v, 6) for v in others.values()}) == 4
+
+
+# ---- each aggregation's token weight, with gradient accumulation ----------------------------
+
+
+@pytest.mark.parametrize("aggregation,want", [
+    ("token-mean", 1 / (2 * 5)),  # each micro-batch's token mean, averaged over its 2 micro-batches
+    ("seq-mean-token-mean", 1 / (3 * 4)),
+    ("seq-mean-token-sum", 1 / 3),
+    ("seq-mean-token-sum-norm", 1 / (3 * 8)),
+])
+def test_loss_weight_by_hand_with_two_micro_batches(aggregation, want):
+    from torchtune_ppo.rlhf.loss import loss_weight
+
+    got = loss_weight(aggregation, grad_accum=2, micro_batch_tokens=5, num_sequences=3, sequence_tokens=4,
+                      response_len=8)
+    assert got == pytest.approx(want, rel=1e-15)
