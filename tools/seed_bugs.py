@@ -10,7 +10,7 @@ there), runs the tests, and puts the file back from git, also after an error or 
 Usage::
 
     python tools/seed_bugs.py --list                      # every mutation checked against HEAD, and its tests
-    python tools/seed_bugs.py --only gae-delta-gamma,sample-top-k-index
+    python tools/seed_bugs.py --only rewards-gae-delta-gamma,sample-top-k-index
     python tools/seed_bugs.py --tier targeted             # the measurement (background it: see below)
     nohup python tools/seed_bugs.py --tier targeted > /tmp/seed_bugs.log 2>&1 &
 
@@ -39,8 +39,8 @@ What counts, per mutant:
   not by the mutant: it is deselected from then on (``--deselect`` names such tests up front)
   and the mutant is tested again without it.
 - ``missed``: every selected test passed.
-- ``timeout``: ``--timeout`` (900 s) ran out before any test failed; after a failure it is
-  ``caught``.
+- ``timeout``: ``--timeout`` (900 s a pytest run) ran out before any test failed; after a
+  failure it is ``caught``. A mutant's seconds include its confirmation.
 - ``stale``: ``old`` is missing from the file, or occurs more than once: the list needs an
   update, nothing was run. ``invalid``: the mutated file does not parse.
 - ``error``: pytest could not run (usage error, no tests collected).
@@ -53,12 +53,14 @@ stdout and, with every mutant's line and its test selection, as JSON to ``--out`
 (``/tmp/seed_bugs.json``, rewritten after each mutant). Each mutant's pytest output is in
 ``--logs`` (``/tmp/seed_bugs_logs/<id>.log``).
 
-How long: ``--list`` takes seconds. On 2 CPU cores a caught mutant costs from a few seconds
-(a unit test fails) to ~2 min (the golden run fails); a missed one runs its whole selection,
-1-10 min in ``targeted`` (the recipe's importing files hold the end-to-end resume tests). The
-whole ``targeted`` measurement of the 43 mutations took about 40-60 min there (see
-benchmarks/RESULTS.md for the last one); ``fast`` is ~1 min a mutant; ``all`` is the suite's
-time (20-35 min serially) for each missed mutant.
+How long, on 2 CPU cores shared with other work (load 3-4): ``--list`` takes 20 s. A caught
+library mutant costs 15-70 s, its confirmation included; a caught recipe mutant 0.5-3 min; a
+missed one runs its whole selection: ~1 min for a library module whose tests are unit tests,
+~12 min for the recipe (its importing files hold the end-to-end resume tests). A test found
+failing unmutated costs one more pass of the mutant that found it: name such tests with
+``--deselect``. The ``targeted`` measurement of 38 of the 43 mutations took 70 min there
+(benchmarks/RESULTS.md); all 43 take about 80. ``fast`` is ~1 min a mutant; ``all`` is the
+suite's time (20-35 min serially) for each missed mutant.
 """
 
 import argparse
@@ -663,7 +665,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated mutation ids")
     parser.add_argument("--list", action="store_true", help="check every mutation against the revision, run nothing")
     parser.add_argument("--rev", default="HEAD", help="the revision measured (default HEAD)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant (default 900)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run of a mutant (default 900)")
     parser.add_argument("--out", default="/tmp/seed_bugs.json")
     parser.add_argument("--logs", default="/tmp/seed_bugs_logs", help="each mutant's pytest output")
     parser.add_argument("--worktree", default="/tmp/seedwt")
