@@ -325,6 +325,13 @@ def test_lr_scheduler_follows_optimizer_steps_and_is_saved(make_recipe):
 
     state = checkpointing.load_training_state(checkpointing.latest_checkpoint(cfg.output_dir))
     assert state["lr_scheduler"]["last_epoch"] == 8
+    # A resume puts the schedule back where it stopped, not at its start.
+    resumed, _ = make_recipe(
+        num_ppo_steps=2, ppo_epochs=2, resume_from_checkpoint=True, **{
+            "lr_scheduler._component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+            "lr_scheduler.num_warmup_steps": 2,
+        })
+    assert resumed._update.lr_scheduler.last_epoch == 8
 
 
 def test_adaptive_kl_coefficient_follows_the_logged_kl(make_recipe):

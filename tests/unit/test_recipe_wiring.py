@@ -389,3 +389,20 @@ def test_scoring_takes_the_configs_penalties_and_temperature(make_recipe):
     recipe, _ = make_recipe(min_response_length=5, penalise_no_eos=False, reward_penalty=-7.0, temperature=0.9)
     s = recipe._rollout.settings
     assert (s.min_response_length, s.penalise_no_eos, s.reward_penalty, s.temperature) == (5, False, -7.0, 0.9)
+
+
+# ---- the epoch save rule -------------------------------------------------------------------
+
+
+def test_save_every_n_epochs_saves_at_the_last_batch_of_every_nth_epoch():
+    """2 batches an epoch, ``save_every_n_epochs=2``: steps 4, 8 and 12 save, no other."""
+    progress = Progress(num_ppo_steps=12, batches_per_epoch=2, value_pretrain=ValuePretraining(0, None, 1, 1.0),
+                        save_every_n_epochs=2)
+    due = []
+    for _ in range(6):  # epochs
+        for _ in range(2):  # batches
+            progress.count_step({"value_loss": 0.0}, pretraining=False)
+            if progress.save_due():
+                due.append(progress.global_step)
+        progress.end_epoch()
+    assert due == [4, 8, 12]
