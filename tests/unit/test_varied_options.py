@@ -293,3 +293,18 @@ def test_loss_weight_by_hand_with_two_micro_batches(aggregation, want):
     got = loss_weight(aggregation, grad_accum=2, micro_batch_tokens=5, num_sequences=3, sequence_tokens=4,
                       response_len=8)
     assert got == pytest.approx(want, rel=1e-15)
+
+
+def test_a_good_step_resets_the_consecutive_skip_count():
+    """``max_consecutive_skipped_steps`` counts skipped steps in a row: a good step between
+    them starts the count again; the total keeps every one."""
+    from torchtune_ppo.run.guards import SkippedSteps
+
+    skips = SkippedSteps(max_consecutive=3)
+    for skipped in (True, True, False, True, True, False):
+        skips.count(skipped)
+    assert (skips.consecutive, skips.total) == (0, 4)
+    skips.count(True)
+    skips.count(True)
+    with pytest.raises(RuntimeError, match="3 consecutive steps"):
+        skips.count(True)
