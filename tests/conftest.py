@@ -87,6 +87,44 @@ def models():
     return policy, ref, value, reward
 
 
+# In-process recipes: 8 prompts a step in 2 generation chunks of 4, 8 response tokens.
+RECIPE_SHAPE = dict(batch_size=8, forward_batch_size=4, ppo_batch_size=4, gradient_accumulation_steps=2,
+                    max_generated_tokens=8, log_samples_every_n_steps="null")
+
+
+def recipe_config(output_dir, name: str = "ppo_tiny_sentiment.yaml", **overrides):
+    """A shipped tiny config (``recipes/configs/tiny/<name>``) at ``RECIPE_SHAPE``, with
+    ``overrides`` (dotted keys), validated."""
+    from omegaconf import OmegaConf
+
+    from torchtune_ppo.config import validate_config
+
+    items = {**RECIPE_SHAPE, "output_dir": output_dir, **overrides}
+    cfg = OmegaConf.merge(OmegaConf.load(TINY_CONFIG.parent / name),
+                          OmegaConf.from_dotlist([f"{k}={v}" for k, v in items.items()]))
+    return validate_config(cfg)
+
+
+@pytest.fixture
+def make_recipe(tmp_path):
+    """``make_recipe(name=..., output_dir=..., **overrides) -> (recipe, cfg)``: the recipe set up in
+    this process (``output_dir`` defaults to a folder of its own), cleaned up after the test."""
+    from ppo_full_finetune import PPOFullFinetuneRecipe
+
+    recipes = []
+
+    def make(name="ppo_tiny_sentiment.yaml", output_dir=None, **overrides):
+        cfg = recipe_config(output_dir or tmp_path / f"run{len(recipes)}", name, **overrides)
+        recipe = PPOFullFinetuneRecipe(cfg)
+        recipe.setup(cfg)
+        recipes.append(recipe)
+        return recipe, cfg
+
+    yield make
+    for recipe in recipes:
+        recipe.cleanup()
+
+
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/e2e (``tune run``, torchrun, subprocesses) is ``slow``; unit and
     parity tests that compile or load real weights carry the marker themselves."""

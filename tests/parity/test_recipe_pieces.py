@@ -2,58 +2,23 @@
 
 import copy
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_policy
+from conftest import EOS_ID, PAD_ID, left_padded_prompts, recipe_config, tiny_classifier, tiny_policy
 from ppo_full_finetune import PhaseTimer, PPOFullFinetuneRecipe
 from twins import rlhf as twin_rlhf
 from torchtune_ppo import rlhf
-from torchtune_ppo.config import validate_config
 from torchtune_ppo.ppo.advantages import AdvantageSettings, estimate_advantages
 from torchtune_ppo.rollout.fused import score_trajectory
 from torchtune_ppo.rlhf import ScoringSettings, Trajectory, masks_and_positions
 from twins.loss_step import ppo_loss_step
 
-CONFIG = Path(__file__).parents[2] / "recipes/configs/tiny/ppo_tiny_sentiment.yaml"
-SMALL = dict(
-    batch_size=8,
-    forward_batch_size=4,
-    ppo_batch_size=4,
-    gradient_accumulation_steps=2,
-    max_generated_tokens=8,
-)
 # Plain SGD, no clipping: each optimizer step moves the parameters by exactly -LR * grad.
 LR = 0.1
 SGD = {"optimizer._component_": "torch.optim.SGD", "optimizer.lr": LR, "clip_grad_norm": "null"}
 CPU = torch.device("cpu")
-
-
-def _config(output_dir, **overrides):
-    cfg = OmegaConf.load(CONFIG)
-    items = {**SMALL, "output_dir": output_dir, **overrides}
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in items.items()]))
-    return validate_config(cfg)
-
-
-@pytest.fixture
-def make_recipe(tmp_path):
-    """``make_recipe(**overrides) -> (recipe, cfg)``, set up; cleaned up after the test."""
-    recipes = []
-
-    def make(**overrides):
-        cfg = _config(tmp_path, **overrides)
-        recipe = PPOFullFinetuneRecipe(cfg)
-        recipe.setup(cfg)
-        recipes.append(recipe)
-        return recipe, cfg
-
-    yield make
-    for recipe in recipes:
-        recipe.cleanup()
 
 
 def _trajectory(recipe, cfg, scores):
@@ -186,7 +151,7 @@ def _hand_trajectory(scores, logprobs, ref_logprobs, valid):
 
 
 def test_estimate_advantages_returns_are_score_plus_kl_rewards_to_go(tmp_path):
-    cfg = _config(tmp_path, kl_coeff=0.5, gamma=1.0, lmbda=1.0)
+    cfg = recipe_config(tmp_path, kl_coeff=0.5, gamma=1.0, lmbda=1.0)
     valid = torch.tensor([[True, True, False, False], [True, True, True, True]])
     logprobs = torch.tensor([[-1.0, -2.0, -9.0, -9.0], [-1.0, -1.0, -1.0, -1.0]])
     ref_logprobs = torch.tensor([[-1.5, -1.0, 0.0, 0.0], [-2.0, -1.0, -1.0, -3.0]])
@@ -212,7 +177,7 @@ def test_estimate_advantages_returns_are_score_plus_kl_rewards_to_go(tmp_path):
 
 
 def test_changing_one_score_moves_only_that_rows_returns_by_the_change(tmp_path):
-    cfg = _config(tmp_path, kl_coeff=0.0, gamma=1.0, lmbda=1.0)
+    cfg = recipe_config(tmp_path, kl_coeff=0.0, gamma=1.0, lmbda=1.0)
     g = torch.Generator().manual_seed(0)
     valid = torch.arange(6) < torch.tensor([[6], [3], [1]])
     logprobs, ref_logprobs = -torch.rand(3, 6, generator=g), -torch.rand(3, 6, generator=g)
@@ -327,7 +292,7 @@ def test_lr_scheduler_follows_optimizer_steps_and_is_saved(make_recipe):
     assert state["lr_scheduler"]["last_epoch"] == 8
     # A resume puts the schedule back where it stopped, not at its start.
     resumed, _ = make_recipe(
-        num_ppo_steps=2, ppo_epochs=2, resume_from_checkpoint=True, **{
+        output_dir=cfg.output_dir, num_ppo_steps=2, ppo_epochs=2, resume_from_checkpoint=True, **{
             "lr_scheduler._component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
             "lr_scheduler.num_warmup_steps": 2,
         })
@@ -381,7 +346,7 @@ def test_critic_warmup_resumes_exactly(tmp_path):
     """A run saved inside the warm-up (step 1 of 2) and resumed logs the metrics of the
     uninterrupted run and ends with its weights; the policy first moves at step 3."""
     def run(out, steps, **extra):
-        cfg = _config(out, num_ppo_steps=steps, critic_warmup_steps=2, save_every_n_steps=1,
+        cfg = recipe_config(out, num_ppo_steps=steps, critic_warmup_steps=2, save_every_n_steps=1,
                       keep_last_n_checkpoints="null", **extra)
         recipe = PPOFullFinetuneRecipe(cfg)
         recipe.setup(cfg)

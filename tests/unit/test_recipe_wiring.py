@@ -6,7 +6,6 @@ its boundaries."""
 
 import copy
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,40 +14,11 @@ from torchtune import config as tt_config
 
 import torchtune_ppo  # noqa: F401  (registers the ppo_asset resolver)
 from torchtune_ppo.checkpointing import resume_config as rc
-from torchtune_ppo.config import validate_config
 from torchtune_ppo.config.schema import MUST_MATCH
 from torchtune_ppo.ppo.value_pretrain import ValuePretraining, relative_change, settled
 from torchtune_ppo.run.progress import Progress
 
-CONFIGS = Path(__file__).parents[2] / "recipes/configs/tiny"
-SMALL = dict(batch_size=8, forward_batch_size=4, ppo_batch_size=4, gradient_accumulation_steps=2,
-             max_generated_tokens=8, log_samples_every_n_steps="null")
-
-
-def _config(output_dir, name="ppo_tiny_sentiment.yaml", **overrides):
-    cfg = OmegaConf.load(CONFIGS / name)
-    items = {**SMALL, "output_dir": output_dir, **overrides}
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in items.items()]))
-    return validate_config(cfg)
-
-
-@pytest.fixture
-def make_recipe(tmp_path):
-    """``make_recipe(name=..., **overrides) -> (recipe, cfg)``, set up; cleaned up after the test."""
-    from ppo_full_finetune import PPOFullFinetuneRecipe
-
-    recipes = []
-
-    def make(name="ppo_tiny_sentiment.yaml", **overrides):
-        cfg = _config(tmp_path / f"run{len(recipes)}", name, **overrides)
-        recipe = PPOFullFinetuneRecipe(cfg)
-        recipe.setup(cfg)
-        recipes.append(recipe)
-        return recipe, cfg
-
-    yield make
-    for recipe in recipes:
-        recipe.cleanup()
+from conftest import recipe_config
 
 
 def _first_batch(recipe):
@@ -264,7 +234,7 @@ def saved_run(tmp_path_factory):
     """A checkpoint folder holding the tiny config, as a run saves it."""
     folder = tmp_path_factory.mktemp("ckpt") / "step_1"
     folder.mkdir()
-    saved = rc.config_to_save(_config("/runs/a", **{"lr_scheduler._component_": "torchtune.training.lr_schedulers"
+    saved = rc.config_to_save(recipe_config("/runs/a", **{"lr_scheduler._component_": "torchtune.training.lr_schedulers"
                                                      ".get_cosine_schedule_with_warmup",
                                                      "lr_scheduler.num_warmup_steps": 1}))
     (folder / rc.CONFIG_FNAME).write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
