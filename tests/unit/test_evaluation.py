@@ -19,7 +19,7 @@ from torchtune_ppo.compile import RecompileCounter
 from torchtune_ppo.config import validate_config
 from torchtune_ppo.eval import EvalPrompts, EvalRecord, EvalScorer, Evaluator, eval_metrics, pass_at_k, prompt_shard, tally
 from torchtune_ppo.eval import evaluator as evaluator_module
-from torchtune_ppo.eval.data import default_eval_dataset, eval_prompts
+from torchtune_ppo.eval.data import default_eval_dataset, eval_blocks, eval_prompts
 from torchtune_ppo.eval.evaluator import reward_parts
 from torchtune_ppo.rewards import FormatMatch, FunctionReward, ModelReward, WeightedSum
 from torchtune_ppo.rlhf import ScoringSettings
@@ -275,6 +275,35 @@ def test_the_evaluation_draws_from_its_own_stream_only():
     assert all(m.training for m in ev.models[0].modules())
 
 
+def test_named_sets_log_their_own_metrics_each_as_if_evaluated_alone():
+    """Two sets side by side, sampled: each set's metrics under ``val/<name>/``, each those of an
+    evaluation of that set alone (its own stream, whatever is evaluated beside it)."""
+    ev = _evaluator(num_prompts=16, num_samples=2, top_k=None)
+    first = ev.prompts[0]._replace(name="a")
+    second = first._replace(tokens=first.tokens.flip(0), prompt_lens=first.prompt_lens.flip(0), name="b")
+    alone = {}
+    for prompts in (first, second):
+        ev.prompts = [prompts]
+        alone[prompts.name] = ev.evaluate(step=2)
+    ev.prompts = [first, second]
+    both = ev.evaluate(step=2)
+    assert both == {**alone["a"], **alone["b"]}
+    assert set(both) >= {"val/a/pass@1", "val/a/pass@2", "val/b/reward_mean", "val/b/response_length"}
+    assert alone["a"]["val/a/pass@1"] != alone["b"]["val/b/pass@1"]  # not vacuous: the sets score differently
+    ev.prompts = [first._replace(name=None)]  # unnamed: today's names and stream
+    assert set(ev.evaluate(step=2)) == {"val/reward_mean", "val/pass@1", "val/pass@2", "val/response_length"}
+    with pytest.raises(ValueError, match="distinct names"):
+        Evaluator(None, [first, second._replace(name="a")], None, EvalRecord())
+
+
+def test_a_named_set_samples_from_its_own_stream_and_the_unnamed_from_the_runs():
+    from torchtune_ppo.eval import eval_seed
+
+    assert eval_seed(3, 10, 1) == (3 * 1_000_003 + 10 * 1_009 + 1) % 2**63  # as before named sets
+    seeds = {eval_seed(3, 10, 1, name) for name in (None, "heldout", "ood")}
+    assert len(seeds) == 3
+
+
 # ----------------------------------------------------------------------------- prompts and config
 
 
@@ -311,7 +340,7 @@ def test_the_default_eval_dataset_is_the_held_out_split(tmp_path):
     cfg = validate_config(_cfg(**{"eval.max_prompts": 20}), check_machine=False)
     assert default_eval_dataset(cfg.dataset).field == "heldout" and cfg.dataset.field == "train"
     tokenizer = tt_config.instantiate(cfg.tokenizer)
-    prompts = eval_prompts(cfg, tokenizer, LOG)
+    (prompts,) = eval_prompts(cfg, tokenizer, LOG)
     heldout = json.loads(Path(cfg.dataset.data_files).read_text())["heldout"][:20]
     assert prompts.references == [r["answer"] for r in heldout] and prompts.tokens.shape == (20, 8)
     row = prompts.tokens[0, 8 - int(prompts.prompt_lens[0]):].tolist()
@@ -329,14 +358,99 @@ def test_evaluation_of_a_dataset_without_a_held_out_split_names_eval_dataset():
 
 
 def test_every_shipped_config_with_evaluation_validates():
-    on = []
+    """The tiny arithmetic configs evaluate their held-out split; the SmolLM2 ones two sets, the
+    held-out questions (read as the shipped config trains) and the out-of-distribution ones."""
+    on = {}
     for path in sorted(CONFIGS.rglob("*.yaml")):
         cfg = validate_config(_cfg(path), check_machine=False)
         if cfg.eval.every_n_steps is not None:
-            on.append(path.name)
-            assert default_eval_dataset(cfg.dataset).field == "heldout"
-    assert on == ["135M_lora_ppo_arithmetic.yaml", "135M_ppo_arithmetic.yaml", "grpo_tiny_arithmetic.yaml",
-                  "ppo_tiny_arithmetic.yaml"]
+            blocks = eval_blocks(cfg)
+            on[path.name] = list(blocks)
+            assert blocks[next(iter(blocks))].field == "heldout"
+            assert cfg.eval.best_metric in (f"val/{'' if name is None else name + '/'}pass@1" for name in blocks)
+    smollm2 = ["heldout", "ood"]
+    assert on == {"135M_lora_ppo_arithmetic.yaml": smollm2, "135M_lora_ppo_arithmetic_mixed.yaml": smollm2,
+                  "135M_ppo_arithmetic.yaml": smollm2, "135M_ppo_arithmetic_mixed.yaml": smollm2,
+                  "grpo_tiny_arithmetic.yaml": [None], "ppo_tiny_arithmetic.yaml": [None]}
+
+
+_SEEN = {"_component_": "torchtune_ppo.data.prompt_dataset", "source": "json", "split": "train", "field": "train",
+         "data_files": "${ppo_asset:tiny_arithmetic/problems.json}"}
+
+
+def _named(**overrides):
+    """The tiny arithmetic config evaluating two sets: `heldout` (its default) and `seen`."""
+    return _cfg(**{"eval.datasets.heldout": "null", **{f"eval.datasets.seen.{k}": v for k, v in _SEEN.items()},
+                   "eval.best_metric": "val/seen/pass@1", **overrides})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"eval.dataset._component_": "torchtune_ppo.data.prompt_dataset"}, "eval.dataset and eval.datasets are both set"),
+    ({"eval.best_metric": "val/pass@1"}, r"eval.best_metric must be one of \['val/heldout/reward_mean'.*'val/seen/"),
+    ({"eval.best_metric": "val/ood/pass@1"}, "eval.best_metric must be one of"),
+    ({"eval.datasets.seen": "5"}, r"eval.datasets.seen must be a mapping with a `_component_` or null"),
+    ({"eval.datasets.reward": "null"}, r"eval.datasets names must be .* \(not \['reward'\]\), got 'reward'"),
+    ({"eval.datasets.a/b": "null"}, "eval.datasets names must be letters, digits"),
+])
+def test_bad_named_sets_are_refused_by_name(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        validate_config(_named(**overrides), check_machine=False)
+
+
+def test_named_sets_are_read_in_order_and_padded_to_one_width(tmp_path):
+    short = tmp_path / "short.json"  # shorter prompts than the held-out ones: padded to their width
+    short.write_text(json.dumps({"train": [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]}))
+    cfg = validate_config(_named(**{"eval.max_prompts": 12, "max_prompt_len": "null",
+                                    "eval.datasets.seen.data_files": str(short)}), check_machine=False)
+    assert cfg.eval.best_metric == "val/seen/pass@1"
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    heldout, seen = eval_prompts(cfg, tokenizer, LOG)
+    data = json.loads(Path(cfg.dataset.data_files).read_text())
+    assert (heldout.name, seen.name) == ("heldout", "seen")
+    assert heldout.references == [r["answer"] for r in data["heldout"][:12]]
+    assert seen.references == ["1", "2", "3", "4", "5"]
+    width = int(heldout.prompt_lens.max())
+    assert heldout.prompt_len == seen.prompt_len == width > int(seen.prompt_lens.max())
+    for p, rows in ((heldout, data["heldout"]), (seen, [{"prompt": "3+1="}] * 4)):
+        assert tokenizer.decode(p.tokens[3, width - int(p.prompt_lens[3]):].tolist()) == rows[3]["prompt"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # max_prompt_len (8) + 25 > the tiny policy's max_seq_len (32)
+    ({"eval.max_generated_tokens": 25},
+     r"max_prompt_len=8 \+ eval.max_generated_tokens=25 = 33 exceeds policy_model.max_seq_len \(32\)"),
+    # the longest prompt, of the `seen` set, + training's 6 tokens... with max_prompt_len null
+    ({"max_prompt_len": "null", "eval.max_generated_tokens": 27},
+     r"the longest evaluation prompt \(\d tokens, eval.datasets.\w+\) \+ eval.max_generated_tokens=27 = \d\d "
+     r"exceeds policy_model.max_seq_len \(32\)"),
+])
+def test_evaluation_prompts_and_responses_that_do_not_fit_the_model_are_refused_before_any_weights_load(
+        overrides, message):
+    cfg = validate_config(_named(**{"eval.every_n_steps": 5, **overrides}), check_machine=False)
+    with pytest.raises(ValueError, match=message):
+        eval_prompts(cfg, tt_config.instantiate(cfg.tokenizer), LOG)
+
+
+def test_the_length_check_names_training_tokens_when_the_evaluation_takes_them():
+    from torchtune_ppo.eval.data import check_eval_length
+
+    cfg = validate_config(_named(), check_machine=False)
+    check_eval_length(cfg, 26)  # 26 + 6 = 32 fits
+    with pytest.raises(ValueError, match=r"max_prompt_len=27 \+ eval.max_generated_tokens=6 \(null: "
+                                         r"max_generated_tokens\) = 33 exceeds policy_model.max_seq_len \(32\)"):
+        check_eval_length(cfg, 27)
+
+
+def test_the_evaluations_own_kv_cache_is_in_the_memory_plan():
+    from torchtune_ppo.run.memory import _kv_bytes, _meta, memory_plan
+
+    cfg = validate_config(_named(**{"eval.batch_size": 40, "eval.max_generated_tokens": 10}), check_machine=False)
+    rows = memory_plan(cfg, prompt_len=8, eval_prompt_len=7).rows
+    key = "evaluation KV cache (its own, not the rollout's: 40 rows x 17 tokens)"
+    assert rows[key] == _kv_bytes(_meta(cfg.policy_model), 40, 17, 4) > 0
+    assert "KV cache (32 rows x 14 tokens)" in rows  # the rollout's: forward_batch_size x (P + T)
+    off = validate_config(_cfg(**{"eval.every_n_steps": "null"}), check_machine=False)
+    assert not any(k.startswith("evaluation") for k in memory_plan(off, prompt_len=8).rows)
 
 
 # ----------------------------------------------------------------------------- the run's books

@@ -333,11 +333,16 @@ def _check_eval(cfg: DictConfig) -> None:
     """The ``eval`` block: a ``best_metric`` the evaluation logs, a reward function that imports."""
     block = cfg.eval
     k = block.num_samples
-    names = (*EVAL_METRICS, *((f"val/pass@{k}",) if k > 1 else ()))
-    if block.best_metric not in names and not block.best_metric.startswith("val/reward/"):
+    if block.dataset is not None and block.datasets is not None:
+        raise ValueError("eval.dataset and eval.datasets are both set; give one: eval.dataset is one held-out "
+                         "set (metrics `val/...`), eval.datasets several by name (metrics `val/<name>/...`).")
+    prefixes = ["val/"] if block.datasets is None else [f"val/{name}/" for name in block.datasets]
+    names = [p + m[len("val/"):] for p in prefixes for m in (*EVAL_METRICS, *((f"val/pass@{k}",) if k > 1 else ()))]
+    if block.best_metric not in names and not any(block.best_metric.startswith(f"{p}reward/") for p in prefixes):
         raise ValueError(
-            f"eval.best_metric must be one of {list(names)} or `val/reward/<part>` (a part of a WeightedSum "
-            f"reward), got {block.best_metric!r}; `val/pass@<k>` is logged with eval.num_samples=k > 1.")
+            f"eval.best_metric must be one of {names} or `{prefixes[0] if len(prefixes) == 1 else 'val/<name>/'}"
+            f"reward/<part>` (a part of a WeightedSum reward), got {block.best_metric!r}; `val/pass@<k>` is "
+            "logged with eval.num_samples=k > 1.")
     if block.reward is not None:
         import_component(block.reward._component_, "eval.reward._component_")
     if block.every_n_steps is None:

@@ -101,7 +101,7 @@ def preflight(cfg: DictConfig, *, world_size: int, log) -> Preflight:
         log.info(f"{num_long} of {len(dataset)} prompts are longer than max_prompt_len="
                  f"{prompt_len}; their last {prompt_len} tokens are kept.")
     evaluation = eval_prompts(cfg, tokenizer, log) if cfg.eval.every_n_steps is not None else None
-    check_plan(cfg, prompt_len, log)
+    check_plan(cfg, prompt_len, log, eval_prompt_len=evaluation[0].prompt_len if evaluation else None)
     return Preflight(resume_from, tokenizer, dataset, prompt_len, identity, evaluation)
 
 

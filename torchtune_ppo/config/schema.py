@@ -7,6 +7,7 @@ error reads ``"<key> must be <those words>, got <value>."``.
 """
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
@@ -161,6 +162,41 @@ class Component(Kind):
 
     def accepts(self, value: Any) -> bool:
         return isinstance(value, (DictConfig, dict)) and "_component_" in value
+
+
+@dataclass(frozen=True)
+class NamedComponents(Kind):
+    """A mapping of names to blocks with a ``_component_`` (or null, when ``null_means`` says what
+    a null block is); the names go into metric keys, so they are plain words."""
+
+    what: str = "blocks"
+    null_means: Optional[str] = None
+    reserved: Tuple[str, ...] = ()
+
+    def words(self) -> str:
+        null = f", or null: {self.null_means}" if self.null_means else ""
+        return (f"a non-empty mapping of names (letters, digits, `_` or `-`) to {self.what} (each a mapping with "
+                f"a `_component_`{null})")
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, (DictConfig, dict)) and len(value) > 0
+
+    def check(self, key: str, value: Any) -> None:
+        super().check(key, value)
+        if value is None:
+            return
+        for name, block in value.items():
+            if not (isinstance(name, str) and _NAME.fullmatch(name)) or name in self.reserved:
+                raise ValueError(f"{key} names must be letters, digits, `_` or `-`"
+                                 f"{f' (not {list(self.reserved)})' if self.reserved else ''}, got {_show(name)}.")
+            if block is None and self.null_means:
+                continue
+            if not Component().accepts(block):
+                raise ValueError(f"{key}.{name} must be a mapping with a `_component_`"
+                                 f"{f' or null ({self.null_means})' if self.null_means else ''}, got {_show(block)}.")
+
+
+_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 @dataclass(frozen=True)
@@ -326,7 +362,12 @@ EVAL = Block(
             "the held-out prompts, a block like `dataset` (same builders); null: `dataset` with `field: heldout` "
             "when its JSON data file has a `heldout` split (the embedded arithmetic tasks), else an error "
             "naming this key"),
-        Key("max_prompts", Count(optional=True), None, "evaluate the dataset's first N prompts only; null: all"),
+        Key("datasets", NamedComponents(optional=True, what="dataset blocks", null_means="`dataset`'s held-out split",
+                                        reserved=("reward",)), None,
+            "several held-out sets evaluated side by side, by name (e.g. `{heldout: null, ood: {...}}`): each "
+            "set's metrics are logged as `val/<name>/...` (`val/ood/pass@1`); instead of `dataset`, whose one "
+            "set logs `val/...`"),
+        Key("max_prompts", Count(optional=True), None, "evaluate each dataset's first N prompts only; null: all"),
         Key("num_samples", Count(), 1,
             "`k`, responses per prompt; `val/pass@k` is logged beside `val/pass@1` when k > 1"),
         Key("temperature", Number(gt=0, note="for greedy decoding use top_k=1"), 1.0,
@@ -346,7 +387,8 @@ EVAL = Block(
             "for a match"),
         Key("best_metric", Text(what="a `val/` metric the evaluation logs"), "val/reward_mean",
             "the metric that picks the best checkpoint and drives `early_stop_patience`: `val/reward_mean`, "
-            "`val/pass@1`, `val/pass@<num_samples>`, `val/response_length` or `val/reward/<part>`"),
+            "`val/pass@1`, `val/pass@<num_samples>`, `val/response_length` or `val/reward/<part>` "
+            "(`val/<name>/...` with `datasets`)"),
         Key("best_mode", Choice(options=("max", "min")), "max", "whether a higher or a lower `best_metric` is better"),
         Key("early_stop_patience", Count(optional=True), None,
             "stop the run (after saving) once this many evaluations in a row have not improved on the best; "

@@ -33,26 +33,34 @@ class PromptDataset(Dataset):
         chat: bool = False,
         system_prompt: Optional[str] = None,
         response_prefix: Optional[str] = None,
+        system_column: Optional[str] = None,
+        prefix_column: Optional[str] = None,
         **load_dataset_kwargs: Any,
     ) -> None:
-        for key, value in (("system_prompt", system_prompt), ("response_prefix", response_prefix)):
+        for key, value in (("system_prompt", system_prompt), ("response_prefix", response_prefix),
+                           ("system_column", system_column), ("prefix_column", prefix_column)):
             if value is not None and not chat:
                 raise ValueError(f"prompt_dataset: {key} is used only with chat=True; set chat=True "
                                  f"or remove {key}.")
         self._tokenizer, self._chat, self._system_prompt = tokenizer, chat, system_prompt
         # The start of the assistant's reply, after its header: the response continues it.
-        self._prefix = [] if not response_prefix else tokenizer.encode(response_prefix, add_bos=False, add_eos=False)
+        self._prefix = self._encode_prefix(response_prefix)
         self._data = load_dataset(source, **load_dataset_kwargs)
         if filter_fn is not None:
             self._data = self._data.filter(filter_fn)
         names = list(self._data.column_names)
-        for key, name in (("column", column), ("reference_column", reference_column)):
+        for key, name in (("column", column), ("reference_column", reference_column),
+                          ("system_column", system_column), ("prefix_column", prefix_column)):
             if name is not None and name not in names:
                 raise ValueError(
                     f"prompt_dataset: {key}={name!r} is not a column of {source!r} "
                     f"{load_dataset_kwargs.get('data_files', '')}; its columns are {names}."
                 )
         self._column, self._reference_column, self._add_bos = column, reference_column, add_bos
+        self._system_column, self._prefix_column = system_column, prefix_column
+
+    def _encode_prefix(self, prefix: Optional[str]) -> List[int]:
+        return [] if not prefix else self._tokenizer.encode(prefix, add_bos=False, add_eos=False)
 
     def __len__(self) -> int:
         return len(self._data)
@@ -62,8 +70,12 @@ class PromptDataset(Dataset):
         # No EOS: the prompt is to be continued. No truncation either: the recipe's collator
         # keeps the end of an over-long prompt (the part next to the response), or raises.
         if self._chat:  # a user turn, then the assistant header: what instruct models expect
+            # A row's own system line or reply prefix, where it has one (null: the block's).
+            system = None if self._system_column is None else sample[self._system_column]
+            prefix = None if self._prefix_column is None else sample[self._prefix_column]
             tokens = render_chat_prompt(self._tokenizer, [{"role": "user", "content": sample[self._column]}],
-                                        system=self._system_prompt) + self._prefix
+                                        system=self._system_prompt if system is None else system)
+            tokens += self._prefix if prefix is None else self._encode_prefix(prefix)
         else:
             tokens = self._tokenizer.encode(sample[self._column], add_bos=self._add_bos, add_eos=False)
         reference = None if self._reference_column is None else sample[self._reference_column]
@@ -82,6 +94,8 @@ def prompt_dataset(
     chat: bool = False,
     system_prompt: Optional[str] = None,
     response_prefix: Optional[str] = None,
+    system_column: Optional[str] = None,
+    prefix_column: Optional[str] = None,
     **load_dataset_kwargs: Any,
 ) -> PromptDataset:
     """Prompts to complete, each with its reference answer, from any ``datasets`` source.
@@ -113,6 +127,10 @@ def prompt_dataset(
             template's own default, if it has one. Default: None
         response_prefix (Optional[str]): text that opens the assistant's reply (chat only),
             e.g. ``"The answer is"``: the response continues it. Default: None
+        system_column (Optional[str]): a column holding each row's own system prompt (chat
+            only); a row whose value is null gets ``system_prompt``. Default: None
+        prefix_column (Optional[str]): a column holding each row's own reply prefix (chat only);
+            a row whose value is null gets ``response_prefix``, an empty string none. Default: None
         **load_dataset_kwargs (Any): passed to ``load_dataset`` (``data_files``, ``field``, ...).
 
     Returns:
@@ -120,12 +138,14 @@ def prompt_dataset(
         never end in EOS. References are the column's values as text.
 
     Raises:
-        ValueError: ``column`` or ``reference_column`` is not a column of the data (the
-            message lists the columns).
+        ValueError: ``column``, ``reference_column``, ``system_column`` or ``prefix_column`` is
+            not a column of the data (the message lists the columns); a chat-only key without
+            ``chat=True``.
     """
     return PromptDataset(tokenizer, source, column=column, reference_column=reference_column,
                          add_bos=add_bos, filter_fn=filter_fn, chat=chat, system_prompt=system_prompt,
-                         response_prefix=response_prefix, split=split, **load_dataset_kwargs)
+                         response_prefix=response_prefix, system_column=system_column,
+                         prefix_column=prefix_column, split=split, **load_dataset_kwargs)
 
 
 def collate_references(batch: Sequence[Mapping[str, Any]]) -> List[Optional[str]]:

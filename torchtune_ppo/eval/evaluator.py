@@ -13,6 +13,7 @@ before the means are taken. The scores are the reward's (the training reward or
 
 import contextlib
 import time
+import zlib
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -32,9 +33,12 @@ from torchtune_ppo.rollout.generation import GenerationSteps, Generator
 __all__ = ["EvalScorer", "Evaluator", "build_evaluator", "eval_mode", "eval_seed", "reward_parts"]
 
 
-def eval_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of the evaluation's random stream after ``step`` steps on process ``rank``."""
-    return (int(seed) * 1_000_003 + int(step) * 1_009 + int(rank)) % (2**63)
+def eval_seed(seed: int, step: int, rank: int, name: Optional[str] = None) -> int:
+    """The seed of the evaluation's random stream after ``step`` steps on process ``rank``, for its
+    set of prompts called ``name`` (each named set draws from a stream of its own, whatever sets
+    are evaluated beside it; the one unnamed set of ``eval.dataset`` from the run's)."""
+    salt = 0 if name is None else zlib.crc32(name.encode()) * 999_983
+    return (int(seed) * 1_000_003 + int(step) * 1_009 + int(rank) + salt) % (2**63)
 
 
 class EvalScorer:
@@ -96,7 +100,9 @@ class Evaluator:
     Args:
         generator (Optional[Generator]): the evaluation's generator on the policy; None when
             evaluation is off.
-        prompts (Optional[EvalPrompts]): every evaluation prompt (each process takes its block).
+        prompts (Optional[Union[EvalPrompts, Sequence[EvalPrompts]]]): every evaluation prompt (each
+            process takes its block of each set), every set of one width. A named set's metrics
+            are logged as ``val/<name>/...``, an unnamed one's as ``val/...``.
         scorer (Optional[EvalScorer]): scores the responses.
         record (EvalRecord): when to evaluate, the history, the best and the stopping rule.
         num_samples (int): ``k``, responses per prompt.
@@ -112,12 +118,18 @@ class Evaluator:
         log: where each evaluation's line goes (on rank 0).
     """
 
-    def __init__(self, generator: Optional[Generator], prompts: Optional[EvalPrompts], scorer: Optional[EvalScorer],
+    def __init__(self, generator: Optional[Generator],
+                 prompts: Optional[Union[EvalPrompts, Sequence[EvalPrompts]]], scorer: Optional[EvalScorer],
                  record: EvalRecord, *, num_samples: int = 1, correct_threshold: float = 1.0, seed: int = 0,
                  models: Sequence[nn.Module] = (), warm_up: Callable[[], ContextManager] = contextlib.nullcontext,
                  log_dict: Optional[Callable] = None, keep_step: Optional[Callable[[int], None]] = None,
                  log=None) -> None:
-        self.generator, self.prompts, self.scorer, self.record = generator, prompts, scorer, record
+        if isinstance(prompts, EvalPrompts):
+            prompts = [prompts]
+        names = [p.name for p in prompts or ()]
+        if len(names) > 1 and (None in names or len(set(names)) < len(names)):
+            raise ValueError(f"Evaluator: several sets of prompts need distinct names, got {names}.")
+        self.generator, self.prompts, self.scorer, self.record = generator, list(prompts or ()), scorer, record
         self.num_samples, self.correct_threshold, self.seed = num_samples, correct_threshold, seed
         self.models = list(models)
         self._warm_up, self._warmed = warm_up, False
@@ -148,29 +160,35 @@ class Evaluator:
 
     @torch.no_grad()
     def evaluate(self, step: int) -> Dict[str, float]:
-        """The ``val/`` metrics of the policy now, over every process's prompts."""
+        """The ``val/`` metrics of the policy now, over every process's prompts, set after set."""
+        metrics: Dict[str, float] = {}
+        warm_up = contextlib.nullcontext() if self._warmed else self._warm_up()
+        with warm_up, eval_mode(*self.models), distributed.gathered(*self.models):
+            for prompts in self.prompts:
+                prefix = "val/" if prompts.name is None else f"val/{prompts.name}/"
+                metrics.update({prefix + k[len("val/"):]: v for k, v in self._evaluate_set(prompts, step).items()})
+        self._warmed = True
+        return metrics
+
+    def _evaluate_set(self, prompts: EvalPrompts, step: int) -> Dict[str, float]:
         rank, world = distributed.rank(), distributed.world_size()
         gen = self.generator
-        rows = prompt_shard(len(self.prompts.prompt_lens), rank, world)
-        tokens, lens = self.prompts.tokens[rows.start:rows.stop], self.prompts.prompt_lens[rows.start:rows.stop]
-        tokens, lens, refs = repeat_prompts(tokens, lens, self.prompts.references[rows.start:rows.stop],
-                                            self.num_samples)
-        rng = torch.Generator(gen.device).manual_seed(eval_seed(self.seed, step, rank))
+        rows = prompt_shard(len(prompts.prompt_lens), rank, world)
+        tokens, lens = prompts.tokens[rows.start:rows.stop], prompts.prompt_lens[rows.start:rows.stop]
+        tokens, lens, refs = repeat_prompts(tokens, lens, prompts.references[rows.start:rows.stop], self.num_samples)
+        rng = torch.Generator(gen.device).manual_seed(eval_seed(self.seed, step, rank, prompts.name))
         scores: List[torch.Tensor] = []
         lengths: List[torch.Tensor] = []
         parts: Dict[str, List[torch.Tensor]] = {name: [] for name in self.scorer.parts}
-        warm_up = contextlib.nullcontext() if self._warmed else self._warm_up()
-        with warm_up, eval_mode(*self.models), distributed.gathered(*self.models):
-            for i in range(0, len(lens), gen.batch_size):
-                chunk = slice(i, i + gen.batch_size)
-                p, n = tokens[chunk].to(gen.device), lens[chunk].to(gen.device)
-                out = gen.generate(p, n, rng=rng)
-                s, length, part = self.scorer(out.query_responses, n, refs[chunk])
-                scores.append(s)
-                lengths.append(length)
-                for name, v in part.items():
-                    parts[name].append(v)
-        self._warmed = True
+        for i in range(0, len(lens), gen.batch_size):
+            chunk = slice(i, i + gen.batch_size)
+            p, n = tokens[chunk].to(gen.device), lens[chunk].to(gen.device)
+            out = gen.generate(p, n, rng=rng)
+            s, length, part = self.scorer(out.query_responses, n, refs[chunk])
+            scores.append(s)
+            lengths.append(length)
+            for name, v in part.items():
+                parts[name].append(v)
         empty = torch.zeros(0, device=gen.device)
         sums = tally(torch.cat(scores) if scores else empty, torch.cat(lengths) if lengths else empty,
                      num_samples=self.num_samples, correct_threshold=self.correct_threshold,
@@ -209,31 +227,37 @@ def build_evaluator(block: DictConfig, checked: Any, rollout: Rollout, steps: Ge
     """
     if not record.enabled:
         return Evaluator(None, None, None, record)
-    prompts, tokenizer, train_gen = checked.eval_prompts, checked.tokenizer, rollout.generator
+    prompt_sets, tokenizer, train_gen = checked.eval_prompts, checked.tokenizer, rollout.generator
+    prompt_sets = [prompt_sets] if isinstance(prompt_sets, EvalPrompts) else list(prompt_sets)
+    width = prompt_sets[0].prompt_len
+    if any(p.prompt_len != width for p in prompt_sets):
+        raise ValueError(f"the evaluation's sets of prompts must have one width, got "
+                         f"{[p.prompt_len for p in prompt_sets]} (eval_prompts pads them so).")
     reward = (FunctionReward(config.instantiate(block.reward), tokenizer) if block.reward is not None
               else rollout.reward)
     parts = reward_parts(reward, tokenizer)
-    names = [f"val/reward/{name}" for name in parts]
-    if block.best_metric.startswith("val/reward/") and block.best_metric not in names:
+    prefixes = [f"val/{p.name}/" if p.name is not None else "val/" for p in prompt_sets]
+    names = [f"{prefix}reward/{name}" for prefix in prefixes for name in parts]
+    if "/reward/" in block.best_metric and block.best_metric not in names:
         raise ValueError(f"eval.best_metric={block.best_metric!r} is not a part of the evaluation's reward "
                          f"{getattr(reward, 'fn', reward)!r}; its parts log {names or 'nothing (not a WeightedSum)'}.")
     T = block.max_generated_tokens or train_gen.max_generated_tokens
     models = [train_gen.model] + ([reward.model] if isinstance(reward, ModelReward) else [])
     for model in models:
         limit = getattr(model, "max_seq_len", None)
-        if limit is not None and prompts.prompt_len + T > limit:
+        if limit is not None and width + T > limit:
             raise ValueError(
-                f"the evaluation prompts' width + eval.max_generated_tokens ({prompts.prompt_len} + {T}) exceeds "
+                f"the evaluation prompts' width + eval.max_generated_tokens ({width} + {T}) exceeds "
                 f"the model's max_seq_len ({limit}); lower eval.max_generated_tokens, or set max_prompt_len (with "
                 "long_prompts=truncate each prompt keeps its last tokens).")
     generator = Generator(
-        train_gen.model, batch_size=block.batch_size or train_gen.batch_size, max_prompt_len=prompts.prompt_len,
+        train_gen.model, batch_size=block.batch_size or train_gen.batch_size, max_prompt_len=width,
         max_generated_tokens=T, pad_id=train_gen.pad_id, stop_token_ids=train_gen.stop_token_ids,
         temperature=float(block.temperature), top_k=block.top_k, top_p=block.top_p, steps=steps,
         dtype=train_gen.dtype, device=train_gen.device,
     )
-    settings = rollout.settings._replace(prompt_len=prompts.prompt_len, temperature=float(block.temperature))
+    settings = rollout.settings._replace(prompt_len=width, temperature=float(block.temperature))
     scorer = EvalScorer(reward, settings, rollout.stop_token_ids, parts)
-    return Evaluator(generator, prompts, scorer, record, num_samples=block.num_samples,
+    return Evaluator(generator, prompt_sets, scorer, record, num_samples=block.num_samples,
                      correct_threshold=float(block.correct_threshold), seed=seed, models=models,
                      warm_up=warm_up, log_dict=log_dict, keep_step=keep_step, log=utils.get_logger("INFO"))

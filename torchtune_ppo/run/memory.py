@@ -102,13 +102,16 @@ def available_bytes(device: str) -> Optional[float]:
     return None
 
 
-def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: int = 1) -> MemoryPlan:
+def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: int = 1,
+                eval_prompt_len: Optional[int] = None) -> MemoryPlan:
     """Estimates the memory of a run of ``cfg`` (a validated recipe config), per device.
 
     Args:
         cfg (DictConfig): the recipe config, as returned by ``validate_config``.
         prompt_len (Optional[int]): ``P`` when ``max_prompt_len`` is null (the longest prompt).
         world_size (int): processes of the run (``torchrun``), one device each.
+        eval_prompt_len (Optional[int]): the evaluation prompts' width, when it evaluates
+            (``eval.every_n_steps``); None: ``max_prompt_len``, else ``prompt_len``.
 
     Returns:
         MemoryPlan: the rows below, their total and the device's free memory.
@@ -118,7 +121,9 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     ``forward_batch_size`` rows of ``P + T``; activations of one packed training micro-step,
     taken as ``16 * D`` bytes per token per layer (or ``2 * D`` with activation checkpointing)
     plus the float32 logits kept for backward at the positions read, ``[rows * T, V]`` (twice
-    that with an entropy bonus, whose backward keeps the probabilities too).
+    that with an entropy bonus, whose backward keeps the probabilities too). A run that
+    evaluates during training has one more KV cache, its evaluation generator's own (it does not
+    reuse the rollout's): ``eval.batch_size`` rows of the evaluation's ``P + T``.
 
     On ``W`` processes each device holds ``1/W`` of the trained models' parameters, gradients
     and optimizer state, the frozen models whole (``1/W`` with ``shard_frozen_models``), the KV
@@ -209,6 +214,13 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
             rows_per_step * (seq_len - 1) * layers * per_token_layer * dtype_bytes
             + rows_per_step * cfg.max_generated_tokens * vocab * 4 * logit_copies,
     }
+    block = cfg.get("eval")
+    if block is not None and block.get("every_n_steps") is not None:
+        eval_rows = block.get("batch_size") or cfg.forward_batch_size // W
+        eval_len = ((eval_prompt_len or cfg.max_prompt_len or prompt_len or 0)
+                    + (block.get("max_generated_tokens") or cfg.max_generated_tokens))
+        rows[f"evaluation KV cache (its own, not the rollout's: {eval_rows} rows x {eval_len} tokens)"] = \
+            _kv_bytes(policy, eval_rows, eval_len, dtype_bytes)
     if W > 1:
         compile_cfg = cfg.compile
         # Generation gathers the policy; compiled scoring, afterwards, the scoring models (the
@@ -232,14 +244,16 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     return MemoryPlan(rows, total, total - activations, available_bytes(device), device)
 
 
-def check_plan(cfg: DictConfig, prompt_len: int, log) -> MemoryPlan:
+def check_plan(cfg: DictConfig, prompt_len: int, log, eval_prompt_len: Optional[int] = None) -> MemoryPlan:
     """Logs the plan of ``cfg``; raises when its exact part cannot fit, warns on the estimate.
+    ``eval_prompt_len``: the evaluation prompts' width (see :func:`memory_plan`).
 
     Raises:
         RuntimeError: parameters, gradients, optimizer state and KV cache alone exceed the
             device's free memory.
     """
-    plan = memory_plan(cfg, prompt_len=prompt_len, world_size=distributed.world_size())
+    plan = memory_plan(cfg, prompt_len=prompt_len, world_size=distributed.world_size(),
+                       eval_prompt_len=eval_prompt_len)
     log.info(plan.table())
     advice = ("lower forward_batch_size or ppo_batch_size (with gradient_accumulation_steps), "
               "or set enable_activation_checkpointing=True, optimizer_in_bwd=True or dtype=bf16")
@@ -273,7 +287,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("  (the estimate is above what is available; the exact part "
               f"{'fits' if plan.fits else 'does NOT fit'})")
     if cfg.max_prompt_len is None:
-        print("  (max_prompt_len is null: P = 256 assumed; the run uses its longest prompt)")
+        print("  (max_prompt_len is null: P = 256 assumed, for the evaluation's prompts too; the run uses its "
+              "longest prompt)")
     return 0 if plan.fits else 1
 
 
