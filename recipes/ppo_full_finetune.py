@@ -27,7 +27,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from torchtune_ppo import checkpointing, compile as compiling, distributed
-from torchtune_ppo.config import CompileConfig, check_cli_overrides, cpu_threads, validate_config
+from torchtune_ppo.config import CompileConfig, check_cli_overrides, cpu_threads, share_group_prompt, validate_config
 from torchtune_ppo.config.preflight import preflight
 from torchtune_ppo.data import prompt_loader
 from torchtune_ppo.eval import build_evaluator
@@ -103,6 +103,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             value_pretrain=ValuePretraining.from_config(cfg.value_pretrain), data_identity=checked.data_identity,
             save_every_n_steps=cfg.save_every_n_steps, save_every_n_epochs=cfg.save_every_n_epochs, evaluation=cfg.eval)
         regions = compiling.regions(cfg.compile, world_size=self._world_size, device=self._device)
+        self._group = self._n if share_group_prompt(cfg, self._world_size) else 1  # share_group_prefill
         log.info(f"Compiled regions: {CompileConfig(**cfg.compile)}")
         self._models = build_models(cfg, device=self._device, dtype=self._dtype, resume_from=checked.resume_from)
         self._rollout = self._setup_rollout(cfg, regions)
@@ -133,7 +134,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             pad_id=self._tokenizer.pad_id, stop_token_ids=list(cfg.stop_token_ids),
             temperature=float(cfg.temperature), top_k=cfg.top_k, top_p=cfg.top_p,
             steps=regions.generation,  # compiled or eager, as compile.generate says
-            group_size=self._n if cfg.share_group_prefill else 1,  # one prefill per group of n
+            group_size=self._group,  # n: a group's prompt computed once in generation and scoring
             dtype=self._dtype, device=self._device,
         )
         reward = (ModelReward(self._models.reward) if self._models.reward is not None
@@ -165,7 +166,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         return PPOUpdate(
             self._models.policy, self._models.value, optimizer, lr_scheduler, regions.loss_step,
             batch_size=rows, ppo_batch_size=cfg.ppo_batch_size, ppo_epochs=cfg.ppo_epochs,
-            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps, group_size=self._group,  # whole groups
             prompt_len=self._prompt_len, response_len=cfg.max_generated_tokens,
             temperature=float(cfg.temperature), loss=LossSettings.from_config(loss),
             clip_grad_norm=cfg.clip_grad_norm, optimizer_in_bwd=cfg.optimizer_in_bwd,

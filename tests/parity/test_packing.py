@@ -203,7 +203,7 @@ def test_packing_holds_real_tokens_only():
     for step in steps:  # at most 2 rows, at least MIN_SIZE rows and reads, only the reads it uses
         rows, (c, k) = step.tokens.shape[0], step.read_positions.shape
         assert step.tokens.shape[1] == P + T - 1 and packing.MIN_SIZE <= rows <= 2
-        assert all(t.shape[0] == rows for t in step[:3]) and all(t.shape == (1, k) for t in step[3:])
+        assert all(t.shape[0] == rows for t in step[:3]) and all(t.shape == (1, k) for t in step[3:13])
         assert k == max(packing.MIN_SIZE, int((step.weights > 0).sum()))
     assert sum(int((step.segment_ids >= 0).sum()) for step in steps) == real
     assert sum(int((step.weights > 0).sum()) for step in steps) == sum(spans)

@@ -405,7 +405,7 @@ def test_checkpoint_of_a_critic_free_lora_run_holds_the_policy_adapters_only(tmp
 
 
 def test_share_group_prefill_needs_whole_groups_per_generation_call():
-    assert validate_config(_cfg()).share_group_prefill is False  # default: n prefills, as before
+    assert validate_config(_cfg()).share_group_prefill is None  # default: on wherever the sizes allow
     ok = validate_config(_cfg(advantage_estimator="grpo", num_samples_per_prompt=4, share_group_prefill=True))
     assert ok.forward_batch_size % 4 == 0
     with pytest.raises(ValueError, match=r"forward_batch_size=4 is not a multiple of num_samples_per_prompt=8 \(the group size\): "
@@ -418,7 +418,7 @@ def test_share_group_prefill_needs_whole_groups_per_generation_call():
     validate_config(_cfg(share_group_prefill=True))
     with pytest.raises(ValueError, match="share_group_prefill=True with compile.rollout=True"):
         validate_config(_cfg(num_samples_per_prompt=2, share_group_prefill=True, **{"compile.rollout": True}))
-    with pytest.raises(ValueError, match="share_group_prefill must be true or false, got 'maybe'"):
+    with pytest.raises(ValueError, match="share_group_prefill must be null or true or false, got 'maybe'"):
         validate_config(_cfg(share_group_prefill="maybe"))
     cfg = validate_config(_cfg(advantage_estimator="grpo", num_samples_per_prompt=4, share_group_prefill=True))
     with pytest.raises(ValueError, match="forward_batch_size=16 over 8 processes gives 2 rows per rank is not a "

@@ -401,6 +401,24 @@ def check_whole_groups(rows: int, group_size: int, what: str, fix: str = "") -> 
                          f"prefill per group (share_group_prefill) needs whole groups in every generation call{fix}.")
 
 
+def share_group_prompt(cfg: DictConfig, world_size: int = 1) -> bool:
+    """Whether a run shares each group's prompt (``share_group_prefill``, already checked): in
+    generation, scoring and the loss step. null: wherever the sizes allow, and a note once
+    saying why not where they do not (no groups, ``compile.rollout``, ``forward_batch_size``
+    per process not a multiple of the group size)."""
+    setting, n = cfg.share_group_prefill, cfg.num_samples_per_prompt
+    if setting is False:
+        return False
+    rows = cfg.forward_batch_size // world_size
+    why = ("num_samples_per_prompt=1 (no group shares a prompt)" if n == 1 else
+           "compile.rollout=True (the fused region prefills and scores every row)" if cfg.compile.rollout else
+           f"forward_batch_size={cfg.forward_batch_size} gives {rows} rows per process, not whole groups of "
+           f"num_samples_per_prompt={n}" if rows % n else None)
+    if why is not None:
+        _note(f"share_group_prefill is off: {why}; each response is scored and trained with its own prompt copy.")
+    return why is None
+
+
 def check_world_size(cfg: DictConfig, world_size: int) -> None:
     """The global batch keys must split evenly over ``world_size`` processes, and each rank's
     generation calls hold whole groups when ``share_group_prefill`` is on.

@@ -545,12 +545,14 @@ SCHEMA: Tuple[Key, ...] = (
         "`batch_size * num_samples_per_prompt` responses; `forward_batch_size` and `ppo_batch_size` "
         "count responses and must divide that. `grpo`, `dr_grpo`, `rloo` and "
         "`reinforce_plus_plus_baseline` need at least 2", must_match=True),
-    Key("share_group_prefill", Bool(), False,
-        "with `num_samples_per_prompt` = n > 1, prefill each prompt once and copy its KV cache "
-        "into its n rows, instead of n prefills of the same prompt; `forward_batch_size` (per "
-        "process) must then be a multiple of n. Same tokens in distribution (see [Group "
-        "sampling](group_sampling.md)); not with "
-        "`compile.rollout`"),
+    Key("share_group_prefill", Bool(optional=True), None,
+        "with `num_samples_per_prompt` = n > 1, compute each group's prompt once instead of n "
+        "times: one prefill per group in generation (its KV cache copied into the n rows), and one "
+        "prompt copy per packed row before the group's responses in scoring and in the loss step, "
+        "whose minibatches are then drawn by whole groups. null: on wherever the sizes allow "
+        "(`forward_batch_size` per process a multiple of n, no `compile.rollout`), off otherwise "
+        "with a note; true: on, and those sizes are an error; false: off. See [Group "
+        "sampling](group_sampling.md#one-prompt-per-group-share_group_prefill)"),
     # A `_component_` block (torchtune's PPOLoss) keeps its own defaults instead of these.
     Key("loss", LOSS, LOSS.defaults(),
         "PPO loss: the plain keys below, or torchtune's `PPOLoss` `_component_` block (which keeps "

@@ -34,6 +34,7 @@ def packed_ppo_loss_step(
     micro_batch_ids: torch.Tensor,
     stat_weights: torch.Tensor,
     ref_logprobs: torch.Tensor,
+    prefix_ids: Optional[torch.Tensor] = None,
     *,
     temperature: float,
     epsilon: float,
@@ -75,6 +76,10 @@ def packed_ppo_loss_step(
             (ratios, clip fractions, approximate KL, entropy, KL to the reference);
             ``weights`` weight the loss terms.
         ref_logprobs (torch.Tensor): the reference policy's logprobs ``[C, K]``.
+        prefix_ids (Optional[torch.Tensor]): ``[R, L]``, the segment (a group's prompt copy) each
+            slot may also attend; None: rows without shared prompts. With shared prompts the
+            prompt's activations are computed once and their gradient is the sum over the reads
+            of the group's responses, as their own sequences would give it.
         temperature (float): sampling temperature of the trajectory.
         epsilon (float): policy ratio clip range.
         value_clip_range (float): value clip range.
@@ -95,7 +100,7 @@ def packed_ppo_loss_step(
         stat; and the policy's detached logprobs of the reads ``[C, K]`` (the trainer's side of
         the rollout/training mismatch).
     """
-    masks = block_causal_masks(segment_ids)  # [R, L, L]
+    masks = block_causal_masks(segment_ids, prefix_ids)  # [R, L, L]
     h = final_hidden_states(policy_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
     pi_logprobs, entropy = rlhf.read_logprobs_and_entropy(
         policy_model.output, h, read_positions, targets, temperature, entropy_grad=entropy_coeff != 0)  # [C, K]

@@ -9,7 +9,7 @@ process each reduction is the identity.
 """
 
 from itertools import chain
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -117,6 +117,14 @@ class PPOUpdate:
         master_weights (Optional[MasterWeights]): fp32 masters of bf16 trained parameters, which
             ``optimizer`` steps (:class:`~torchtune_ppo.run.optim.MasterWeights`): the gradients
             move to them before clipping, and the stepped masters are rounded back after.
+        group_size (int): ``n`` > 1: each rank's rows come in groups of ``n`` answering one prompt;
+            minibatches are drawn by whole groups (the groups are shuffled, not the rows, so a
+            group splits over two minibatches only where ``ppo_batch_size`` per rank is not a
+            multiple of ``n``), and with ``share_prompts`` the loss step packs a group's prompt
+            once per row before its responses (:func:`~torchtune_ppo.rlhf.packing.pack_minibatch`).
+            1: rows are shuffled one by one.
+        share_prompts (bool): with ``group_size`` > 1, pack shared prompts; False: each response
+            with its own prompt copy, with the same group-wise draw (the reference path).
     """
 
     def __init__(
@@ -140,6 +148,8 @@ class PPOUpdate:
         critic_warmup_steps: int = 0,
         fixed_shapes: bool = False,
         master_weights=None,
+        group_size: int = 1,
+        share_prompts: bool = True,
     ) -> None:
         self.policy_model, self.value_model = policy_model, value_model
         self.optimizer, self.lr_scheduler, self.loss_step = optimizer, lr_scheduler, loss_step
@@ -157,6 +167,10 @@ class PPOUpdate:
         self._fixed_shapes = fixed_shapes
         self._master = master_weights
         self._packed_tokens = PackedTokens()
+        self.group_size = group_size
+        self._share = group_size > 1 and share_prompts
+        limits = [getattr(m, "max_seq_len", None) for m in (policy_model, value_model) if m is not None]
+        self._max_seq_len = min((x for x in limits if isinstance(x, int)), default=None)
 
     def __call__(self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor,
                  timer: Callable, step: int, value_pretrain: bool = False) -> UpdateResult:
@@ -186,7 +200,7 @@ class PPOUpdate:
         micro_batch_size = self._ppo_batch_size // self.gradient_accumulation_steps
         lengths = packing.sequence_lengths(trajectory, self._prompt_len)  # one host sync
         for _ in range(self.ppo_epochs):
-            order = torch.randperm(self._batch_size, device=trajectory.scores.device).tolist()
+            order = self._draw(trajectory.scores.device)
             for start in range(0, self._batch_size, self._ppo_batch_size):
                 minibatch = order[start : start + self._ppo_batch_size]
                 micro_batches = [minibatch[i : i + micro_batch_size]
@@ -202,6 +216,27 @@ class PPOUpdate:
                         skipped += 1
         return UpdateResult(stats, skipped, self._packed_tokens.ratio, mismatch)
 
+    def _draw(self, device: torch.device) -> List[int]:
+        """This epoch's order of the rank's rows: shuffled rows, or shuffled whole groups."""
+        n = self.group_size
+        if n == 1:
+            return torch.randperm(self._batch_size, device=device).tolist()
+        groups = torch.randperm(self._batch_size // n, device=device).tolist()
+        return [g * n + j for g in groups for j in range(n)]
+
+    def _packing(self, micro_batch_size: int) -> Dict[str, int]:
+        """Rows, reads, chunks and (shared prompts) row length and group size of a micro-step."""
+        fixed, P, T = self._fixed_shapes, self._prompt_len, self._response_len
+        rows = packing.default_rows(micro_batch_size, fixed_shapes=fixed)
+        if not self._share:
+            return dict(rows=rows, num_chunks=packing.logprob_chunks(rows * T))
+        # the prompt counted once per row: fewer, longer rows; as many reads as unshared
+        row_len = packing.shared_row_len(P, T - 1, self.group_size, self._max_seq_len)
+        reads = rows * T
+        return dict(rows=packing.shared_rows(micro_batch_size, row_len, P, T - 1, fixed_shapes=fixed),
+                    max_reads=reads, num_chunks=packing.logprob_chunks(reads), row_len=row_len,
+                    group_size=self.group_size)
+
     def _loss_and_backward(self, trajectory: Trajectory, advantages: torch.Tensor, returns: torch.Tensor,
                            micro_batches: List[List[int]], lengths: packing.SequenceLengths,
                            step: int, measure: bool = False) -> Tuple[List[rlhf.PPOStats], Optional[MismatchStats]]:
@@ -215,12 +250,10 @@ class PPOUpdate:
         settings = self._loss._asdict()
         aggregation = settings.pop("aggregation")
         fixed = self._fixed_shapes
-        rows = packing.default_rows(len(micro_batches[0]), fixed_shapes=fixed)
         steps = packing.pack_minibatch(
             trajectory, advantages, returns, micro_batches, lengths,
-            prompt_len=self._prompt_len, rows=rows, valid_totals=valid_totals,
-            num_chunks=packing.logprob_chunks(rows * self._response_len), fixed_shapes=fixed,
-            aggregation=aggregation, num_sequences=num_sequences,
+            prompt_len=self._prompt_len, valid_totals=valid_totals, fixed_shapes=fixed,
+            aggregation=aggregation, num_sequences=num_sequences, **self._packing(len(micro_batches[0])),
         )
         self._packed_tokens.update(steps, lengths, micro_batches)
         step_stats, losses, gaps = [], [], []

@@ -24,6 +24,19 @@ all micro-steps of a minibatch equals the sum of the micro-batches' masked means
 sequence instead, over the whole (global) minibatch, so they do not depend on how it is split
 into micro-batches or ranks; the diagnostic stats (ratios, clip fractions, approximate KL) keep
 the token-mean weights.
+
+**Shared prompts.** With groups (``group_size = n`` rows in a row answering one prompt) a row can
+hold one copy of a group's prompt followed by several of its responses (a *piece*): each
+response's slots have a segment of their own and the prompt's segment as their *prefix*
+(:func:`~torchtune_ppo.rlhf.sequence_processing.block_causal_masks`), so a response sees the
+prompt and its own earlier tokens only; its positions continue from the prompt's length, as in
+its own sequence; its first token is read at the prompt's last slot (one read per response,
+the same slot), the others at its own slots. The forward is then the unshared one's, computed
+on fewer tokens, and the gradient through the prompt's activations is the sum of the reads'
+gradients, as the unshared sequences give it. A group whose responses do not fit one row
+continues in another row with its own copy of the prompt (:func:`share_prompts`). Shared rows
+are longer than unshared ones (:func:`shared_row_len`): a full-length prompt leaves no room for
+a second response in a row of ``P + T - 1``.
 """
 
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -73,6 +86,8 @@ class PackedMicroStep(NamedTuple):
         stat_weights (torch.Tensor): ``[C, K]``, ``1 / (grad_accum * n_valid(micro-batch))``, 0 if
             unused: the token-mean weights of the diagnostic stats.
         ref_logprobs (torch.Tensor): ``[C, K]``, the reference policy's logprobs (the loss's KL).
+        prefix_ids (Optional[torch.Tensor]): ``[R, L]``, the segment each slot may also attend
+            (its group's prompt copy); None: rows without shared prompts.
     """
 
     tokens: torch.Tensor
@@ -88,11 +103,13 @@ class PackedMicroStep(NamedTuple):
     micro_batch_ids: torch.Tensor
     stat_weights: torch.Tensor
     ref_logprobs: torch.Tensor
+    prefix_ids: Optional[torch.Tensor] = None
 
     def mark_dynamic(self) -> "PackedMicroStep":
         """Rows ``R`` and chunk length ``K`` dynamic for ``torch.compile``: the compiled loss step
         traces one graph, symbolic in both, and every later length mix reuses it."""
-        return mark_dynamic(self, rows=self[:3], reads=self[3:])
+        prefix = () if self.prefix_ids is None else (self.prefix_ids,)
+        return mark_dynamic(self, rows=(*self[:3], *prefix), reads=self[3:13])
 
 
 # No micro-step has a dimension of size 1: the compiled step would specialise on it.
@@ -118,6 +135,80 @@ def logprob_chunks(max_reads: int, chunk_size: int = 256) -> int:
     """``C``, the output projections of a loss step of at most ``max_reads`` reads, each on at
     most ``chunk_size`` positions whatever the step's read count."""
     return max(1, -(-max_reads // chunk_size))
+
+
+# A shared row is at most this many times an unshared row: attention costs grow with the row.
+SHARED_ROW_FACTOR = 4
+
+
+def shared_row_len(prompt_len: int, response_slots: int, group_size: int,
+                   max_seq_len: Optional[int] = None) -> int:
+    """``L`` of a row of shared prompts: ``P + k * t`` slots, room for a full-length prompt and
+    ``k`` full-length responses.
+
+    ``t`` is the slots a full-length response takes (``T - 1`` in the loss step, ``T`` in
+    scoring); ``k = min(n, (F * (P + t) - P) // t)`` with ``F`` = :data:`SHARED_ROW_FACTOR`, so a
+    whole group fits one row unless that row would be more than ``F`` times an unshared row
+    (``P + t``); at least ``min(n, F)`` responses always fit. Never longer than ``max_seq_len``
+    (the models' limit on a row), never shorter than ``P + t``.
+    """
+    base = prompt_len + response_slots
+    if response_slots <= 0 or group_size <= 1:
+        return base
+    k = min(group_size, max(1, (SHARED_ROW_FACTOR * base - prompt_len) // response_slots))
+    length = prompt_len + k * response_slots
+    if max_seq_len is not None:
+        length = min(length, max_seq_len)
+    return max(base, length)
+
+
+def shared_rows(micro_batch_size: int, row_len: int, prompt_len: int, response_slots: int,
+                fixed_shapes: bool = False) -> int:
+    """Most rows of one packed micro-step with shared prompts: the rows a micro-batch of whole
+    groups at full length needs, ``ceil(m / k)`` for ``k`` responses a row (the prompt counted
+    once per row), at least 2 (a micro-step never has fewer); with ``fixed_shapes`` half of
+    that (at least 2), as :func:`default_rows`."""
+    per_row = (row_len - prompt_len) // response_slots if response_slots > 0 else micro_batch_size
+    rows = -(-micro_batch_size // max(per_row, 1))
+    return max(MIN_SIZE, (rows + 1) // 2 if fixed_shapes else rows)
+
+
+def share_prompts(
+    rows: Sequence[int],
+    prompt_lens: Sequence[int],
+    response_slots: Sequence[int],
+    reads: Sequence[int],
+    *,
+    group_size: int,
+    row_len: int,
+    max_reads: int,
+) -> List[List[int]]:
+    """The pieces of shared-prompt rows: each a list of indices into ``rows``, whose responses
+    follow one copy of their group's prompt.
+
+    Responses of one group (trajectory row ``// group_size``) go first-fit decreasing into
+    pieces of at most ``row_len`` slots (the prompt's, then each response's ``response_slots``)
+    and ``max_reads`` reads; a group that fills one piece continues in another, with its own
+    copy of the prompt. Groups come in the order of their first response in ``rows``.
+    """
+    groups: dict = {}
+    for k, row in enumerate(rows):
+        groups.setdefault(row // group_size, []).append(k)
+    pieces = []
+    for members in groups.values():
+        room = row_len - prompt_lens[members[0]]
+        open_pieces = []  # [indices, slots used, reads used]
+        for k in sorted(members, key=lambda k: -response_slots[k]):
+            piece = next((o for o in open_pieces
+                          if o[1] + response_slots[k] <= room and o[2] + reads[k] <= max_reads), None)
+            if piece is None:
+                piece = [[], 0, 0]
+                open_pieces.append(piece)
+            piece[0].append(k)
+            piece[1] += response_slots[k]
+            piece[2] += reads[k]
+        pieces += [o[0] for o in open_pieces]
+    return pieces
 
 
 def sequence_lengths(trajectory: Trajectory, prompt_len: int) -> SequenceLengths:
@@ -199,6 +290,8 @@ def pack_minibatch(
     fixed_shapes: bool = False,
     aggregation: str = "token-mean",
     num_sequences: Optional[int] = None,
+    group_size: int = 1,
+    row_len: Optional[int] = None,
 ) -> List[PackedMicroStep]:
     """The packed micro-steps of one minibatch: placement on the host, gathers on the device.
 
@@ -222,13 +315,21 @@ def pack_minibatch(
         aggregation (str): one of :data:`~torchtune_ppo.rlhf.loss.AGGREGATIONS`, see :func:`loss_weight`.
         num_sequences (Optional[int]): sequences with a valid token in the global minibatch;
             None: this minibatch's (one process).
+        group_size (int): ``n`` > 1: trajectory rows ``[g * n, (g + 1) * n)`` answer one prompt,
+            and each group's responses in the minibatch share one prompt copy per row
+            (:func:`share_prompts`); the micro-steps then carry ``prefix_ids``. 1: one sequence
+            per prompt, as without groups.
+        row_len (Optional[int]): ``L``; None: ``P + T - 1``, or :func:`shared_row_len` with
+            ``group_size`` > 1.
 
     Returns:
         List[PackedMicroStep]: one or more micro-steps, each with the rows and reads it uses.
     """
     s = trajectory.query_responses.shape[1]
     response_len = s - prompt_len
-    row_len = s - 1
+    share = group_size > 1
+    if row_len is None:
+        row_len = shared_row_len(prompt_len, response_len - 1, group_size) if share else s - 1
     max_reads = max_reads or rows * response_len
     grad_accum = len(micro_batches)
     seqs = [(g, i) for g, idxs in enumerate(micro_batches) for i in idxs if lengths.spans[i] > 0]
@@ -244,9 +345,17 @@ def pack_minibatch(
         )
         for g, i in seqs
     ]
-    token_counts = [lengths.prompt_lens[i] + lengths.spans[i] - 1 for _, i in seqs]
+    # A piece: one prompt copy, then the response tokens of its sequences (one sequence unshared).
+    spans = [lengths.spans[i] for _, i in seqs]
+    prompts = [lengths.prompt_lens[i] for _, i in seqs]
+    if share:
+        pieces = share_prompts([i for _, i in seqs], prompts, [n - 1 for n in spans], spans,
+                               group_size=group_size, row_len=row_len, max_reads=max_reads)
+    else:
+        pieces = [[k] for k in range(len(seqs))]
+    token_counts = [prompts[p[0]] + sum(spans[k] - 1 for k in p) for p in pieces]
     places, step_rows, step_reads = plan_micro_steps(
-        token_counts, [lengths.spans[i] for _, i in seqs],
+        token_counts, [sum(spans[k] for k in p) for p in pieces],
         rows=rows, row_len=row_len, max_reads=max_reads,
     )
     if fixed_shapes:
@@ -261,28 +370,45 @@ def pack_minibatch(
     slots, reads = sum(step_slots), sum(step_reads)
     token_src, positions = [0] * slots, [0] * slots
     segments = list(range(-1, -1 - slots, -1))
+    prefixes = list(segments) if share else None
     read_pos, read_src, read_token, read_micro = [0] * reads, [0] * reads, [0] * reads, [0] * reads
     read_scale, read_weight = [0.0] * reads, [0.0] * reads
-    for seq, ((g, i), n, (step, slot, read)) in enumerate(zip(seqs, token_counts, places)):
-        slot0, read0, span = slot_base[step] + slot, read_base[step] + read, lengths.spans[i]
-        first = i * s + prompt_len - lengths.prompt_lens[i]  # flat index of the first real token
-        token_src[slot0 : slot0 + n] = range(first, first + n)
-        positions[slot0 : slot0 + n] = range(n)
-        segments[slot0 : slot0 + n] = [seq] * n
-        # read j sits on the slot before response token j
-        last_prompt = slot + lengths.prompt_lens[i] - 1
-        read_pos[read0 : read0 + span] = range(last_prompt, last_prompt + span)
-        read_src[read0 : read0 + span] = range(i * response_len, i * response_len + span)
-        read_token[read0 : read0 + span] = range(i * s + prompt_len, i * s + prompt_len + span)
-        read_micro[read0 : read0 + span] = [g] * span
-        read_scale[read0 : read0 + span] = [scale[g]] * span
-        read_weight[read0 : read0 + span] = [weight[seq]] * span
+    for piece_id, (piece, (step, slot, read)) in enumerate(zip(pieces, places)):
+        p = prompts[piece[0]]
+        slot0, read0 = slot_base[step] + slot, read_base[step] + read
+        first = seqs[piece[0]][1] * s + prompt_len - p  # flat index of the prompt's first real token
+        token_src[slot0 : slot0 + p] = range(first, first + p)
+        positions[slot0 : slot0 + p] = range(p)
+        segments[slot0 : slot0 + p] = [piece_id] * p
+        if share:
+            prefixes[slot0 : slot0 + p] = [piece_id] * p
+        last_prompt = slot + p - 1  # in the step's slots: reads index one micro-step
+        cursor = p  # the next response slot, from the piece's first
+        for k in piece:
+            (g, i), span = seqs[k], spans[k]
+            n, at = span - 1, slot0 + cursor
+            # response token j (j >= 1) is the input at the slot that reads token j + 1
+            token_src[at : at + n] = range(i * s + prompt_len, i * s + prompt_len + n)
+            positions[at : at + n] = range(p, p + n)
+            segments[at : at + n] = [len(pieces) + k if share else piece_id] * n
+            if share:
+                prefixes[at : at + n] = [piece_id] * n
+            # read 0 sits on the prompt's last slot, read j on the slot of response token j - 1
+            r = read0
+            read_pos[r : r + span] = [last_prompt, *range(slot + cursor, slot + cursor + n)]
+            read_src[r : r + span] = range(i * response_len, i * response_len + span)
+            read_token[r : r + span] = range(i * s + prompt_len, i * s + prompt_len + span)
+            read_micro[r : r + span] = [g] * span
+            read_scale[r : r + span] = [scale[g]] * span
+            read_weight[r : r + span] = [weight[k]] * span
+            cursor, read0 = cursor + n, read0 + span
 
     device = trajectory.query_responses.device
-    index = to_device(torch.tensor([token_src, positions, segments]), device)
+    index = to_device(torch.tensor([token_src, positions, segments, *([prefixes] if share else [])]), device)
     read_index = to_device(torch.tensor([read_pos, read_src, read_token, read_micro]), device)
     read_scale, read_weight = to_device(torch.tensor([read_scale, read_weight], dtype=torch.float32), device)
-    token_src, positions, segments = index.view(3, slots // row_len, row_len)
+    index = index.view(len(index), slots // row_len, row_len)
+    token_src, positions, segments = index[:3]
     read_pos, read_src, read_token, read_micro = read_index
 
     flat_tokens = trajectory.query_responses.reshape(-1)
@@ -305,12 +431,14 @@ def pack_minibatch(
         micro_batch_ids=read_micro,
         stat_weights=torch.where(valid, read_scale, 0.0),
         ref_logprobs=gather(trajectory.ref_logprobs),
+        prefix_ids=index[3] if share else None,
     )
     # Separate contiguous tensors per micro-step, each starting at offset 0.
     row_splits = [n // row_len for n in step_slots]
-    split = [t.split(row_splits if t.dim() == 2 else step_reads) for t in packed]
+    split = [None if t is None else t.split(row_splits if t.dim() == 2 else step_reads) for t in packed]
     return [
         PackedMicroStep(*(
+            None if parts is None else
             parts[k].clone() if parts[k].dim() == 2 else parts[k].reshape(num_chunks, -1).clone()
             for parts in split
         ))
@@ -355,7 +483,7 @@ class PackedTokens:
         self.real += sum(
             lengths.prompt_lens[i] + lengths.spans[i] - 1
             for idxs in micro_batches for i in idxs if lengths.spans[i] > 0
-        )
+        )  # unshared: with shared prompts the ratio can fall below 1
 
     @property
     def ratio(self) -> float:

@@ -67,11 +67,20 @@ def masks_and_positions(
     return masks, position_ids
 
 
-def block_causal_masks(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Causal attention within each packed sequence: ``segment_ids [R, L]`` -> bool ``[R, L, L]``."""
+def block_causal_masks(segment_ids: torch.Tensor, prefix_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention within each packed sequence: ``segment_ids [R, L]`` -> bool ``[R, L, L]``.
+
+    With ``prefix_ids [R, L]`` a slot also attends the earlier slots of the segment its prefix id
+    names: a response packed after its group's one prompt copy has its own segment and the
+    prompt's segment as its prefix, so it sees the prompt and its own earlier tokens only. A slot
+    whose prefix id is its own segment id sees its segment alone (the masks without prefixes).
+    """
     length = segment_ids.shape[-1]
     causal = torch.tril(torch.ones(length, length, dtype=torch.bool, device=segment_ids.device))
-    return (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    if prefix_ids is not None:
+        same = same | (prefix_ids[:, :, None] == segment_ids[:, None, :])
+    return same & causal
 
 
 def repeat_prompts(

@@ -6,7 +6,10 @@ reward, the function on the decoded texts (eager, phase "reward"), then the scor
 tokens only (:func:`~torchtune_ppo.rollout.scoring.packed_score_trajectory`, one compiled
 region when ``compile.trajectory`` is on): each chunk's prompt lengths and valid response
 lengths are read to the host in one sync (the generation has synced already), its sequences
-packed into rows, and the results gathered back into the padded :class:`Trajectory`.
+packed into rows, and the results gathered back into the padded :class:`Trajectory`. A
+generator that prefills once per group (``group_size = n`` > 1) has whole groups in every
+chunk, and the scoring then packs each group's prompt once per row before its responses
+(:mod:`torchtune_ppo.rollout.scoring`).
 
 With ``compile.rollout`` it runs the experimental fused region instead
 (:func:`~torchtune_ppo.rollout.fused.fused_rollout`: generation unrolled and padded scoring
@@ -28,7 +31,7 @@ from torchtune_ppo import distributed
 from torchtune_ppo.rewards.functions import FunctionReward
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rlhf import ScoringSettings, Trajectory, concat_trajectories, truncate_after_stop_token
-from torchtune_ppo.rlhf.packing import logprob_chunks
+from torchtune_ppo.rlhf.packing import logprob_chunks, shared_row_len
 from torchtune_ppo.rollout.generation import Generator
 from torchtune_ppo.rollout.scoring import PackedScoring, packed_score_trajectory, plan_scoring
 
@@ -99,6 +102,11 @@ class Rollout:
         scoring = (ref_policy_model, value_model, self._reward_model, generator.model if recompute_logprobs else None)
         self._scoring_models = [m for m in scoring if m is not None]
         self._num_chunks = logprob_chunks(generator.batch_size * generator.max_generated_tokens)
+        # one prompt copy per row for a group's responses, in rows the scoring models can take
+        self._group_size = max(1, generator.group_size)
+        limits = [getattr(m, "max_seq_len", None) for m in self._scoring_models]
+        self._row_len = shared_row_len(settings.prompt_len, generator.max_generated_tokens, self._group_size,
+                                       min((x for x in limits if isinstance(x, int)), default=None))
 
     @property
     def _reward_model(self) -> Optional[nn.Module]:
@@ -187,7 +195,8 @@ class Rollout:
         for lens in prompt_lens:
             end = start + len(lens)
             plan = plan_scoring(host[0][start:end], host[1][start:end], prompt_len=P, response_len=T,
-                                num_chunks=self._num_chunks, device=device)
+                                num_chunks=self._num_chunks, device=device, group_size=self._group_size,
+                                row_len=self._row_len if self._group_size > 1 else None)
             plans.append(plan.mark_dynamic())  # eager scoring ignores the marks
             start = end
         return plans

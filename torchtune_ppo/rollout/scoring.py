@@ -21,6 +21,13 @@ Reads: response token ``j`` of a sequence is predicted by the output at the slot
 which is also the state whose value is read; the reward is read at the sequence's last valid
 token. Reads are laid out as ``C`` chunks of ``K``, one output projection per chunk, so the
 largest float32 tensor is ``[K, V]``.
+
+With groups (``group_size = n``: the chunk's rows ``[g * n, (g + 1) * n)`` answer one prompt) a
+group's prompt is packed once per row, followed by its responses
+(:func:`~torchtune_ppo.rlhf.packing.share_prompts`): each response attends the prompt and its
+own earlier tokens (``prefix_ids``), its positions continue from the prompt's length, and its
+first token is read at the prompt's last slot. Rows are then
+:func:`~torchtune_ppo.rlhf.packing.shared_row_len` long (``P + k * T``) instead of ``P + T``.
 """
 
 from typing import NamedTuple, Optional, Sequence
@@ -32,7 +39,7 @@ from torchtune_ppo import lora, rlhf
 from torchtune_ppo._patches.dynamo import mark_dynamic
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states
 from torchtune_ppo.rlhf import ScoringSettings, Trajectory, block_causal_masks, finish_trajectory, truncated
-from torchtune_ppo.rlhf.packing import MIN_SIZE, plan_micro_steps, to_device
+from torchtune_ppo.rlhf.packing import MIN_SIZE, plan_micro_steps, share_prompts, shared_row_len, to_device
 
 
 class PackedScoring(NamedTuple):
@@ -53,6 +60,8 @@ class PackedScoring(NamedTuple):
         read_index (torch.Tensor): ``[b, T]`` flat index into the ``C * K`` reads for each
             response position (0 where the position is not valid).
         last_positions (torch.Tensor): ``[b]`` flat slot of each row's last valid token.
+        prefix_ids (Optional[torch.Tensor]): ``[R, L]``, the segment each slot may also attend
+            (its group's prompt copy); None: no shared prompts.
     """
 
     token_src: torch.Tensor
@@ -62,10 +71,12 @@ class PackedScoring(NamedTuple):
     read_targets: torch.Tensor
     read_index: torch.Tensor
     last_positions: torch.Tensor
+    prefix_ids: Optional[torch.Tensor] = None
 
     def mark_dynamic(self) -> "PackedScoring":
         """Rows ``R`` and chunk length ``K`` dynamic for ``torch.compile`` (both at least 2)."""
-        return mark_dynamic(self, rows=self[:3], reads=self[3:5])
+        prefix = () if self.prefix_ids is None else (self.prefix_ids,)
+        return mark_dynamic(self, rows=(*self[:3], *prefix), reads=self[3:5])
 
 
 def plan_scoring(
@@ -76,6 +87,8 @@ def plan_scoring(
     response_len: int,
     num_chunks: int,
     device: torch.device,
+    group_size: int = 1,
+    row_len: Optional[int] = None,
 ) -> PackedScoring:
     """Packs one scoring chunk's sequences: placement on the host, index tensors on ``device``.
 
@@ -87,6 +100,10 @@ def plan_scoring(
         response_len (int): ``T``.
         num_chunks (int): ``C``, from :func:`scoring_chunks`.
         device (torch.device): where the index tensors go.
+        group_size (int): ``n`` > 1: rows ``[g * n, (g + 1) * n)`` share one prompt, packed
+            once per row before their responses; 1: each row's own prompt.
+        row_len (Optional[int]): ``L``; None: ``P + T``, or
+            :func:`~torchtune_ppo.rlhf.packing.shared_row_len` with ``group_size`` > 1.
 
     Returns:
         PackedScoring: ``R`` = the rows used (at most ``b``, at least 2), ``K`` = the reads
@@ -96,36 +113,59 @@ def plan_scoring(
         ValueError: a row has no real prompt token (the config checks reject such data).
     """
     s = prompt_len + response_len
+    share = group_size > 1
+    if row_len is None:
+        row_len = shared_row_len(prompt_len, response_len, group_size) if share else s
     b = len(prompt_lens)
     if b and min(prompt_lens) < 1:
         raise ValueError(f"packed scoring needs at least one real prompt token per row, got {list(prompt_lens)}")
-    counts = [p + v for p, v in zip(prompt_lens, valid_counts)]
-    # One micro-step of up to b rows: every sequence fits a row, so all of them fit.
-    places, (rows,), _ = plan_micro_steps(counts, valid_counts, rows=max(b, 1), row_len=s,
-                                          max_reads=max(sum(valid_counts), 1))
-    starts = [slot for _, slot, _ in places]
-    slots = max(rows, MIN_SIZE) * s
+    # A piece: one prompt copy, then the valid tokens of its rows' responses (one row unshared).
+    total_reads = max(sum(valid_counts), 1)
+    if share:
+        pieces = share_prompts(range(b), prompt_lens, valid_counts, valid_counts, group_size=group_size,
+                               row_len=row_len, max_reads=total_reads)
+    else:
+        pieces = [[i] for i in range(b)]
+    counts = [prompt_lens[p[0]] + sum(valid_counts[i] for i in p) for p in pieces]
+    # One micro-step of up to b rows: every piece fits a row, so all of them fit.
+    places, (rows,), _ = plan_micro_steps(counts, [sum(valid_counts[i] for i in p) for p in pieces],
+                                          rows=max(b, 1), row_len=row_len, max_reads=total_reads)
+    slots = max(rows, MIN_SIZE) * row_len
     k = max(-(-sum(valid_counts) // num_chunks), MIN_SIZE)
 
     token_src, positions = [0] * slots, [0] * slots
     segments = list(range(-1, -1 - slots, -1))  # unused slots: a segment of their own
+    prefixes = list(segments) if share else None
     read_pos, read_targets = [0] * (num_chunks * k), [0] * (num_chunks * k)
     read_index = [0] * (b * response_len)
     last_positions = [0] * b
     read = 0
-    for i, (p, v, n, slot) in enumerate(zip(prompt_lens, valid_counts, counts, starts)):
-        first = i * s + prompt_len - p  # flat index of the row's first real token
-        token_src[slot : slot + n] = range(first, first + n)
-        positions[slot : slot + n] = range(n)
-        segments[slot : slot + n] = [i] * n
-        # response token j is predicted at the slot before it: slot + p - 1 + j
-        read_pos[read : read + v] = range(slot + p - 1, slot + p - 1 + v)
-        read_targets[read : read + v] = range(i * response_len, i * response_len + v)
-        read_index[i * response_len : i * response_len + v] = range(read, read + v)
-        last_positions[i] = slot + n - 1
-        read += v
+    for piece_id, (piece, (_, slot, _)) in enumerate(zip(pieces, places)):
+        p = prompt_lens[piece[0]]
+        first = piece[0] * s + prompt_len - p  # flat index of the prompt's first real token
+        token_src[slot : slot + p] = range(first, first + p)
+        positions[slot : slot + p] = range(p)
+        segments[slot : slot + p] = [piece_id if share else piece[0]] * p
+        if share:
+            prefixes[slot : slot + p] = [piece_id] * p
+        at = slot + p  # the slot of the next response's first token
+        for i in piece:
+            v = valid_counts[i]
+            token_src[at : at + v] = range(i * s + prompt_len, i * s + prompt_len + v)
+            positions[at : at + v] = range(p, p + v)
+            segments[at : at + v] = [len(pieces) + i if share else i] * v
+            if share:
+                prefixes[at : at + v] = [piece_id] * v
+            # response token j is predicted at the slot before it: the prompt's last for j = 0
+            read_pos[read : read + v] = range(at - 1, at - 1 + v)
+            read_pos[read] = slot + p - 1
+            read_targets[read : read + v] = range(i * response_len, i * response_len + v)
+            read_index[i * response_len : i * response_len + v] = range(read, read + v)
+            last_positions[i] = at + v - 1
+            read, at = read + v, at + v
 
-    index = to_device(torch.tensor([token_src, positions, segments]), device).view(3, -1, s)
+    index = to_device(torch.tensor([token_src, positions, segments, *([prefixes] if share else [])]), device)
+    index = index.view(len(index), -1, row_len)
     reads = to_device(torch.tensor([read_pos, read_targets]), device).view(2, num_chunks, k)
     per_row = to_device(torch.tensor(read_index + last_positions), device)
     return PackedScoring(
@@ -136,6 +176,7 @@ def plan_scoring(
         read_targets=reads[1],
         read_index=per_row[: b * response_len].view(b, response_len),
         last_positions=per_row[b * response_len :],
+        prefix_ids=index[3] if share else None,
     )
 
 
@@ -181,7 +222,7 @@ def packed_score_trajectory(
     )
     responses = qr[:, settings.prompt_len:]
     tokens = qr.flatten()[plan.token_src]  # [R, L]
-    packed_masks = block_causal_masks(plan.segment_ids)  # [R, L, L]
+    packed_masks = block_causal_masks(plan.segment_ids, plan.prefix_ids)  # [R, L, L]
     targets = responses.flatten()[plan.read_targets]  # [C, K]
     reads, temperature = plan.read_positions, settings.temperature
 

@@ -22,9 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 
 from torchtune_ppo import distributed, lora
-from torchtune_ppo.config import shares_reward_value_base
+from torchtune_ppo.config import share_group_prompt, shares_reward_value_base
 from torchtune_ppo.rlhf import uses_value_model
-from torchtune_ppo.rlhf.packing import default_rows
+from torchtune_ppo.rlhf.packing import default_rows, shared_row_len, shared_rows
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # torch.optim.AdamW keeps two states per parameter in the parameter's dtype; SGD with momentum
@@ -142,6 +142,9 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
 
     A critic-free ``advantage_estimator`` has no value model: no value parameters, gradients,
     optimizer state or activations, and only the reward model (if any) beside the policies.
+
+    With shared group prompts (``share_group_prefill``) the micro-step's rows are the shared
+    ones, each group's prompt counted once per row (:func:`~torchtune_ppo.rlhf.packing.shared_rows`).
     """
     W = world_size
     dtype_bytes = _DTYPE_BYTES[cfg.dtype]
@@ -165,8 +168,13 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     states = _OPTIMIZER_STATES.get(optimizer_name, 2.0)
     biggest = max(p.numel() for p in [*policy.parameters(), *(value.parameters() if critic else ())])
     micro = cfg.ppo_batch_size // W // cfg.gradient_accumulation_steps
-    # The loss step packs a micro-batch's real tokens into rows of P + T - 1 (packing.py).
-    rows_per_step = default_rows(micro)
+    # The loss step packs a micro-batch's real tokens into rows of P + T - 1 (packing.py); with
+    # shared prompts into fewer, longer rows, each group's prompt counted once per row.
+    rows_per_step, row_len = default_rows(micro), seq_len - 1
+    if share_group_prompt(cfg, W):
+        P, T = seq_len - cfg.max_generated_tokens, cfg.max_generated_tokens
+        row_len = shared_row_len(P, T - 1, cfg.num_samples_per_prompt, getattr(policy, "max_seq_len", None))
+        rows_per_step = shared_rows(micro, row_len, P, T - 1)
     embed_dim = policy.tok_embeddings.embedding_dim
     vocab = policy.tok_embeddings.num_embeddings
     per_token_layer = (2 if cfg.enable_activation_checkpointing else 16) * embed_dim
@@ -210,9 +218,9 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
         **({f"fp32 master weights (of the {trained / 1e9:.2f}B trained)": trained * 4 / W} if masters else {}),
         f"KV cache ({cfg.forward_batch_size // W} rows x {seq_len} tokens)":
             _kv_bytes(policy, cfg.forward_batch_size // W, seq_len, dtype_bytes),
-        f"activations (micro-step {rows_per_step} packed rows x {seq_len - 1} tokens)":
-            rows_per_step * (seq_len - 1) * layers * per_token_layer * dtype_bytes
-            + rows_per_step * cfg.max_generated_tokens * vocab * 4 * logit_copies,
+        f"activations (micro-step {rows_per_step} packed rows x {row_len} tokens)":
+            rows_per_step * row_len * layers * per_token_layer * dtype_bytes
+            + micro * cfg.max_generated_tokens * vocab * 4 * logit_copies,
     }
     block = cfg.get("eval")
     if block is not None and block.get("every_n_steps") is not None:

@@ -36,15 +36,16 @@ ROWS = {
                  {"compile": False, "enable_kv_cache": True}),
     "tt_compile": Row("torchtune, compile=True, KV cache", "torchtune",
                       {"compile": True, "enable_kv_cache": True}),
-    "ours_eager": Row("ours, eager", "ours", {"compile": {
+    # with groups, these two are the reference of the _shared rows: each row its own prompt
+    "ours_eager": Row("ours, eager", "ours", {"share_group_prefill": False, "compile": {
         "generate": False, "trajectory": False, "loss_step": False, "rollout": False}}),
-    "ours_generate": Row("ours, + compile.generate", "ours", {"compile": {
+    "ours_generate": Row("ours, + compile.generate", "ours", {"share_group_prefill": False, "compile": {
         "generate": True, "trajectory": False, "loss_step": False, "rollout": False}}),
     "ours_trajectory": Row("ours, + compile.trajectory", "ours", {"compile": {
         "generate": True, "trajectory": True, "loss_step": False, "rollout": False}}),
     "ours_all": Row("ours, + compile.loss_step (all)", "ours", {"compile": {
         "generate": True, "trajectory": True, "loss_step": True, "rollout": False}}),
-    # share_group_prefill: one prefill per group of num_samples_per_prompt rows (a GRPO config).
+    # share_group_prefill: a group's prompt computed once (generation, scoring, loss step; a GRPO config).
     "ours_eager_shared": Row("ours, eager, share_group_prefill", "ours", {"share_group_prefill": True, "compile": {
         "generate": False, "trajectory": False, "loss_step": False, "rollout": False}}),
     "ours_generate_shared": Row("ours, + compile.generate, share_group_prefill", "ours", {
