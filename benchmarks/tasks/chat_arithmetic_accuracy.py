@@ -17,7 +17,8 @@ response is correct when its score reaches ``eval.correct_threshold``: the confi
 (``ExactMatch`` on the last number here) of the text before the first stop token, with the
 run's penalties (``penalise_no_eos``, ``min_response_length``). So on the run's own settings the
 accuracy is the run's greedy ``val/pass@1`` (``val/<split>/pass@1``) at that step (tested on a
-tiny model). Prints one JSON line, with a few samples.
+tiny model). Prints one JSON line: the accuracy, the count of responses cut off by
+``--max-tokens`` before a stop token (``no_stop_token``), and a few samples.
 """
 
 import argparse
@@ -87,7 +88,8 @@ def load_policy(folder: Path, cfg: DictConfig) -> torch.nn.Module:
 def grade(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, rows: List[Dict[str, Any]], *, width: int,
           max_tokens: int, batch_size: int) -> List[Dict[str, Any]]:
     """Greedy responses to ``rows`` (samples of the dataset: ``tokens``, ``reference``), each
-    scored as the run's evaluation scores it: ``[{"response", "score", "correct"}]``."""
+    scored as the run's evaluation scores it: ``[{"response", "score", "correct", "stopped"}]``
+    (``stopped``: the response ended on a stop token within ``max_tokens``)."""
     stops = list(cfg.stop_token_ids)
     block = cfg.get("eval") or {}
     reward_block = block.get("reward") or cfg.reward
@@ -104,19 +106,20 @@ def grade(cfg: DictConfig, policy: torch.nn.Module, tokenizer: Any, rows: List[D
             batch = left_pad_prompts(chunk, max_prompt_len=width, pad_id=tokenizer.pad_id,
                                      long_prompts=cfg.get("long_prompts", "error"))
             out = gen.generate(batch["tokens"], batch["prompt_lens"])
-            texts, penalised = [], []
+            texts, penalised, stopped = [], [], []
             for row in out.query_responses[:, width:].tolist():
                 stop = next((i for i, t in enumerate(row) if t in stops), None)
                 texts.append(tokenizer.decode(row[:stop]))
                 length = len(row) if stop is None else stop + 1  # the stop token counts
+                stopped.append(stop is not None)
                 penalised.append((cfg.get("penalise_no_eos", False) and stop is None)
                                  or (cfg.get("min_response_length") is not None
                                      and length < cfg.min_response_length))
             prompts = [tokenizer.decode(r["tokens"]) for r in chunk]
             scores = reward(prompts, texts, references=[r["reference"] for r in chunk])
-            for text, score, pen in zip(texts, scores, penalised):
+            for text, score, pen, stop in zip(texts, scores, penalised, stopped):
                 score = float(cfg.get("reward_penalty", 0.0)) if pen else float(score)
-                graded.append({"response": text, "score": score, "correct": score >= threshold})
+                graded.append({"response": text, "score": score, "correct": score >= threshold, "stopped": stop})
     return graded
 
 
@@ -160,7 +163,8 @@ def main(argv=None) -> int:
              for r, g in zip(rows, graded)]
     print(json.dumps({"policy": args.policy, "config": str(cfg_path), "split": args.split, "problems": len(rows),
                       "max_tokens": max_tokens, "greedy_accuracy": round(correct / len(rows), 4),
-                      "correct": correct, "samples": shown[:args.show]}))
+                      "correct": correct, "no_stop_token": sum(not g["stopped"] for g in graded),
+                      "samples": shown[:args.show]}))
     return 0
 
 

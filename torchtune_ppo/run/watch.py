@@ -157,12 +157,14 @@ def plot(log_dir: Path, out: Path) -> Path:
         ax.grid(alpha=0.3)
     if evals:  # the held-out scores, and the length of the held-out responses
         val_steps = [step for step, _ in evals]
-        keys = sorted({k for _, m in evals for k in m if k.startswith("val/") and k != "val/response_length"})
+        keys = sorted({k for _, m in evals for k in m if k.startswith("val/")})  # val/... or val/<set>/...
         for key in keys:
-            axes[0][2].plot(val_steps, [m.get(key, float("nan")) for _, m in evals], marker="o", label=key)
+            ax = axes[1][2] if key.endswith("/response_length") else axes[0][2]
+            ax.plot(val_steps, [m.get(key, float("nan")) for _, m in evals], marker="o", label=key)
         axes[0][2].legend(fontsize=8)
         axes[0][2].set_title("held-out evaluation", fontsize=10)
-        axes[1][2].plot(val_steps, [m.get("val/response_length", float("nan")) for _, m in evals], marker="o")
+        if len([k for k in keys if k.endswith("/response_length")]) > 1:
+            axes[1][2].legend(fontsize=8)
         axes[1][2].set_title("held-out response length (tokens)", fontsize=10)
         for ax in axes[:, 2]:
             ax.grid(alpha=0.3)
