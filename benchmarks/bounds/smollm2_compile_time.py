@@ -6,19 +6,23 @@ inductor cache each (``TORCHINDUCTOR_CACHE_DIR`` in a new temporary folder, FX g
 random weights (compile time does not depend on them), fp32, 8 rows of 43 tokens (a loss-step
 micro-step of ``bench_ppo.py --smollm2``). The region is the trunk up to the final norm
 (``final_hidden_states``), forward only (``fwd``) or forward and backward (``fwdbwd``). Prints
-the first call's time (trace + compile + run), a steady call's time, and the max difference
-from eager.
+the first call's time (trace + compile + run), the median of 7 steady calls, and the max
+difference from eager. With ``--warm DIR`` the inductor cache is ``DIR`` with the FX graph cache
+on: the first run in a new ``DIR`` is cold, a second run with the same ``DIR`` is a warm start
+(dynamo traces again; inductor and AOTAutograd read their caches), as a second training run is.
 
     python benchmarks/bounds/smollm2_compile_time.py unrolled fwd
-    python benchmarks/bounds/smollm2_compile_time.py nested fwd
+    python benchmarks/bounds/smollm2_compile_time.py nested fwdbwd --warm /tmp/cache_nested
 """
 
 import os
+import statistics
 import sys
 import tempfile
 import time
 
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor_"))
+WARM = sys.argv[sys.argv.index("--warm") + 1] if "--warm" in sys.argv else None
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = WARM or tempfile.mkdtemp(prefix="inductor_")
 
 import torch  # noqa: E402
 from torchtune.modules import TransformerSelfAttentionLayer  # noqa: E402
@@ -30,7 +34,7 @@ ROWS, LEN = 8, 43
 
 
 def main(variant: str, what: str) -> None:
-    torch._inductor.config.fx_graph_cache = False
+    torch._inductor.config.fx_graph_cache = WARM is not None
     torch.manual_seed(0)
     model = smollm2_135m(max_seq_len=256)
     tokens = torch.randint(0, 49152, (ROWS, LEN))
@@ -57,10 +61,14 @@ def main(variant: str, what: str) -> None:
     start = time.perf_counter()
     out = run(compiled)
     first = time.perf_counter() - start
-    start = time.perf_counter()
-    run(compiled)
-    steady = time.perf_counter() - start
-    print(f"{variant} {what}: first call {first:.1f} s, steady call {steady:.3f} s, "
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        run(compiled)
+        times.append(time.perf_counter() - start)
+    steady = statistics.median(times)
+    print(f"{variant} {what}{' (cache ' + WARM + ')' if WARM else ''}: first call {first:.1f} s, "
+          f"steady call {steady:.3f} s (median of 7, {min(times):.3f}-{max(times):.3f}), "
           f"max |compiled - eager| {(out - expected).abs().max().item():.2e}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
 

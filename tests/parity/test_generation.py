@@ -352,8 +352,10 @@ def test_invalid_prompt_lens(sampling_eager):
 def test_group_prefill_gives_the_n_prefills_tokens(model, n):
     """Each prompt prefilled once and its cache copied into its n rows: the tokens and logprobs of
     n prefills of it, from the same draws, in full and short (filler-group) batches, sampled and
-    greedy. Bit-identical on CPU eager (the prefill's GEMMs at B / n rows give the same bits as
-    at B rows here), so the logprobs are compared exactly too."""
+    greedy. The tokens are compared exactly; the logprobs and logits within a few fp32 ulps
+    (relative 2e-6): the prefill projects only the last position to the vocabulary, a product of
+    B / n rows against one of B rows, whose sums may round differently in the last bits
+    (relative 3.3e-7 seen here)."""
     B = 8
     kw = dict(batch_size=B, max_prompt_len=P, max_generated_tokens=T, pad_id=PAD, stop_token_ids=[5, 17],
               stop_check_every=4)
@@ -364,8 +366,8 @@ def test_group_prefill_gives_the_n_prefills_tokens(model, n):
             a = every.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(seed), return_logits=True)
             b = shared.generate(prompts, lens(prompts), rng=torch.Generator().manual_seed(seed), return_logits=True)
             torch.testing.assert_close(b.query_responses, a.query_responses, rtol=0, atol=0)
-            torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=0)
-            torch.testing.assert_close(b.logits, a.logits, rtol=0, atol=0)
+            torch.testing.assert_close(b.logprobs, a.logprobs, rtol=2e-6, atol=1e-6)
+            torch.testing.assert_close(b.logits, a.logits, rtol=2e-6, atol=1e-6)
             if "top_k" in sampling and sampling["top_k"] == 1:  # greedy: a group's rows agree
                 assert (b.query_responses.view(-1, n, P + T) == b.query_responses[::n, None]).all()
             else:  # sampled: each row draws its own first token, so a group's rows differ

@@ -76,7 +76,8 @@ def final_hidden_states(
 
     Mirrors ``TransformerDecoder.forward`` of torchtune 0.6.1 (embeddings, layers, norm), which
     has no switch to skip the output layer: the caller applies ``model.output`` only where it
-    reads a logprob or a value. Decoder-only models without KV caches; layers wrapped for
+    reads a logprob or a value. Decoder-only models; with KV caches enabled the layers fill
+    them as the decoder's forward would (the generator's prefill); layers wrapped for
     activation checkpointing are called the same way.
     tokens: [b, s], mask: bool [b, s, s], input_pos: [b, s] -> [b, s, D].
     """

@@ -30,7 +30,7 @@ import torch
 from torchtune.modules import TransformerDecoder
 
 from torchtune_ppo._patches.dynamo import skip_guard_checks
-from torchtune_ppo._patches.torchtune_modules import StaticKVCache
+from torchtune_ppo._patches.torchtune_modules import StaticKVCache, final_hidden_states
 from torchtune_ppo.config import check_sampling, check_whole_groups
 from torchtune_ppo.rlhf import truncate_after_stop_token
 from torchtune_ppo.rollout.sampling import sample
@@ -104,9 +104,21 @@ def prefill(
         Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``[B]`` tokens, ``[B]`` logprobs and
         the ``[B, V]`` float32 logits they were sampled from.
     """
-    logits = model(tokens, input_pos=input_pos, mask=mask)[:, -1]  # [B, V]
+    logits = last_position_logits(model, tokens, input_pos, mask)  # [B, V]
     token, logprob = sample(logits, noise, temperature=temperature, top_k=top_k, top_p=top_p)
     return token, logprob, logits
+
+
+def last_position_logits(
+    model: TransformerDecoder, tokens: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The float32 logits ``[B, V]`` of the prompts' last position, filling the KV cache.
+
+    Only the last position is projected to the vocabulary: ``model(tokens)[:, -1]`` would
+    project all ``P`` (for SmolLM2, 49152 x 576 products per position, of which one is read).
+    """
+    h = final_hidden_states(model, tokens, mask=mask, input_pos=input_pos)[:, -1]  # [B, D]
+    return model.output(h).float()
 
 
 def prefill_group(
@@ -131,7 +143,7 @@ def prefill_group(
         Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``[G * group_size]`` tokens and
         logprobs, and the ``[G * group_size, V]`` float32 logits they were sampled from.
     """
-    logits = model(tokens, input_pos=input_pos, mask=mask)[:, -1]  # [G, V]
+    logits = last_position_logits(model, tokens, input_pos, mask)  # [G, V]
     logits = logits.repeat_interleave(group_size, dim=0)  # [G * n, V]
     token, logprob = sample(logits, noise, temperature=temperature, top_k=top_k, top_p=top_p)
     return token, logprob, logits
