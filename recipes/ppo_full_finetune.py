@@ -83,7 +83,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._log_every_n_steps = cfg.log_every_n_steps
         self._log_peak_memory_stats = cfg.log_peak_memory_stats and self._device.type == "cuda"
         self._score_history: List[Dict[str, float]] = []  # for the end-of-run summary
-        self._recompiles = compiling.RecompileCounter()  # graphs compiled after the first step
+        self._recompiles = compiling.RecompileCounter.for_run(cfg, self._is_rank_zero)  # graphs compiled after step 1
         self._skipped = SkippedSteps(max_consecutive=cfg.max_consecutive_skipped_steps)
         self._pending_rng_state = None  # restored once the data iterator is back in place
 

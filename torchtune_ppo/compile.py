@@ -22,9 +22,11 @@ inductor's code generation (about 400 s a region for SmolLM2's 30 unrolled layer
 import contextlib
 import os
 import warnings
-from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar, Union
 
 import torch
+from torchtune import utils
 
 from torchtune_ppo._patches import dynamo as dynamo_patches
 from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
@@ -165,20 +167,115 @@ def compile_count() -> int:
     return dynamo_patches.unique_graphs()
 
 
+_log = utils.get_logger("INFO")
+
+CACHE_FILE = "compile_cache.bin"
+
+
+class CompileCache:
+    """The compiled regions' inductor and AOTAutograd artifacts of a run, in one file.
+
+    torch keeps both caches on disk (``TORCHINDUCTOR_CACHE_DIR``, by default
+    ``/tmp/torchinductor_<user>``), so a second run on the same machine only traces its regions
+    again. A run on a fresh machine (a resume after its node was lost, a copied output folder)
+    starts with empty caches and compiles everything again. This file carries the artifacts
+    with the run: :meth:`save` writes them after the first step (the first step compiles every
+    region; rank 0 writes), and a run that finds the file at start reads it into torch's caches
+    (:meth:`load`, every rank) before anything compiles. The entries are keyed by the graph, the
+    torch version and the inductor settings, so a file from another config or torch version is
+    read harmlessly and simply not used; an unreadable file is reported and the regions compile.
+
+    Args:
+        path (Optional[Path]): the file, or None: off.
+        rank_zero (bool): this process writes the file.
+    """
+
+    def __init__(self, path: Optional[Path], *, rank_zero: bool = True) -> None:
+        self.path, self._rank_zero = path, rank_zero
+        self.loaded = 0  # entries read from the file
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, rank_zero: bool = True) -> "CompileCache":
+        """``compile_cache``: true (``<output_dir>/compile_cache.bin``), false, or a file path;
+        off when no region is compiled or a test backend is in use (no inductor artifacts)."""
+        setting: Union[bool, str] = cfg.get("compile_cache", True)
+        compiled = cfg.get("compile", False)
+        compiled = compiled if isinstance(compiled, bool) else any(
+            bool(compiled.get(k, False)) for k in ("generate", "trajectory", "loss_step", "rollout"))
+        if setting is False or not compiled or compile_backend() is not None:
+            return cls(None)
+        path = Path(cfg.output_dir) / CACHE_FILE if setting is True else Path(str(setting)).expanduser()
+        return cls(path, rank_zero=rank_zero)
+
+    def load(self) -> int:
+        """Reads the file into torch's caches, if there is one; returns the entries read."""
+        if self.path is None or not self.path.is_file():
+            return 0
+        try:  # a damaged or foreign file costs a compile, never the run
+            info, why = torch.compiler.load_cache_artifacts(self.path.read_bytes()), "torch's reason above"
+        except Exception as e:
+            info, why = None, f"{type(e).__name__}: {e}"
+        if info is None:
+            _log.warning(f"Compile cache {self.path} could not be read ({why}); the regions compile "
+                         "from scratch and the file is replaced after the first step.")
+            return 0
+        self.loaded = sum(len(v) for v in info.artifacts.values())
+        _log.info(f"Compile cache: {self.loaded} compiled artifacts read from {self.path}.")
+        return self.loaded
+
+    def save(self) -> Optional[Path]:
+        """Writes every artifact this process compiled or read (rank 0; atomically), and logs
+        how many of the regions' inductor graphs came from a cache."""
+        if self.path is None or not self._rank_zero:
+            return None
+        counts = torch._dynamo.utils.counters["inductor"]
+        hits, misses = counts["fxgraph_cache_hit"], counts["fxgraph_cache_miss"]
+        _log.info(f"Compile cache: {hits} of {hits + misses} inductor graphs read from a cache, "
+                  f"{misses} compiled.")
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return None
+        data, info = saved
+        entries = sum(len(v) for v in info.artifacts.values())
+        if entries <= self.loaded and self.path.is_file():
+            return None  # nothing new since the file was read
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, self.path)
+        _log.info(f"Compile cache: {entries} compiled artifacts ({len(data) / 2**20:.1f} MiB) saved to "
+                  f"{self.path}; a run that starts with this file skips inductor's compile.")
+        return self.path
+
+
 class RecompileCounter:
     """Counts compilations after a warm-up mark: ``counter.mark()`` then ``counter.since_mark``.
 
     Graphs compiled inside ``with counter.excluded():`` are left out: a region run for the first
     time after the mark (the first evaluation of a run that does not evaluate before training)
     compiles its graphs then, which is its warm-up, not a recompile.
+
+    Args:
+        cache (Optional[CompileCache]): read now, before any region compiles, and saved at the
+            mark, when the first step has compiled every region.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cache: Optional[CompileCache] = None) -> None:
         self._mark = None
         self._excluded = 0
+        self._cache = cache
+        if cache is not None:
+            cache.load()
+
+    @classmethod
+    def for_run(cls, cfg: Any, rank_zero: bool = True) -> "RecompileCounter":
+        """The run's counter, with its ``compile_cache`` (:meth:`CompileCache.from_config`)."""
+        return cls(CompileCache.from_config(cfg, rank_zero=rank_zero))
 
     def mark(self) -> None:
         self._mark = compile_count()
+        if self._cache is not None:
+            self._cache.save()
 
     @property
     def marked(self) -> bool:

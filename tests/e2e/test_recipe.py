@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +20,9 @@ from conftest import ROOT, SMALL, TUNE, assert_compiled_matches_eager
 from conftest import TINY_CONFIG as CONFIG
 
 
-def run_recipe(output_dir: Path, *overrides: str, cwd: Path = ROOT, recipe: str = "ppo_full_finetune"):
+def run_recipe(output_dir: Path, *overrides: str, cwd: Path = ROOT, recipe: str = "ppo_full_finetune", env=None):
     cmd = [*TUNE, "run", recipe, "--config", str(CONFIG), f"output_dir={output_dir}", *SMALL, *overrides]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc, read_disk_log(output_dir / "logs")
 
@@ -133,10 +135,15 @@ def test_user_copy_of_recipe_runs_from_its_own_folder(tmp_path):
     assert len(rows) == 1 and math.isfinite(rows[0]["loss"])
 
 
+@pytest.fixture(scope="module")
+def compile_base(tmp_path_factory):
+    return tmp_path_factory.mktemp("compile")
+
+
 # Compiled runs share one inductor cache across processes, so only the first pays full compile time.
 @pytest.fixture(scope="module")
-def eager_and_compiled_runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("compile")
+def eager_and_compiled_runs(compile_base):
+    base = compile_base
     _, eager = run_recipe(base / "eager", "num_ppo_steps=4", "compile=False")
     _, compiled = run_recipe(base / "compiled", "num_ppo_steps=4", "compile=True")
     return eager, compiled
@@ -151,6 +158,25 @@ def test_no_recompiles_after_first_step(eager_and_compiled_runs):
     _, compiled = eager_and_compiled_runs
     assert len(compiled) == 4
     assert [row["recompiles"] for row in compiled[1:]] == [0, 0, 0]
+
+
+def test_a_fresh_machine_compiles_nothing_with_the_runs_compile_cache(tmp_path, compile_base, eager_and_compiled_runs):
+    """The compiled run left its regions' artifacts in compile_cache.bin; a run with an empty
+    inductor cache (a fresh machine) that reads it compiles no inductor graph, and its steps are
+    the compiled run's, bit for bit. The file it read is left as it was."""
+    _, compiled = eager_and_compiled_runs
+    cache = compile_base / "compiled" / "compile_cache.bin"
+    assert cache.is_file()
+    before = cache.read_bytes()
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty_inductor_cache")}
+    proc, rows = run_recipe(tmp_path / "fresh", "num_ppo_steps=2", "compile=True", f"compile_cache={cache}", env=env)
+    assert re.search(r"Compile cache: [1-9]\d* compiled artifacts read from", proc.stderr), proc.stderr[-3000:]
+    found = re.search(r"Compile cache: (\d+) of (\d+) inductor graphs read from a cache, (\d+) compiled", proc.stderr)
+    assert found and int(found[1]) == int(found[2]) > 0 and found[3] == "0", proc.stderr[-3000:]
+    for step in range(2):
+        for key in ("scores", "loss", "policy_loss", "value_loss", "kl"):
+            assert rows[step][key] == compiled[step][key], (step, key)
+    assert cache.read_bytes() == before and not (tmp_path / "fresh" / "compile_cache.bin").exists()
 
 
 @pytest.mark.parametrize("switch", ["generate", "trajectory", "loss_step"])

@@ -151,6 +151,17 @@ class Text(Kind):
 
 
 @dataclass(frozen=True)
+class BoolOrPath(Kind):
+    """``true``, ``false``, or a file path (any non-empty string)."""
+
+    def words(self) -> str:
+        return "true, false or a file path"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, bool) or (isinstance(value, str) and value != "")
+
+
+@dataclass(frozen=True)
 class Component(Kind):
     """A block that ``torchtune.config.instantiate`` builds: a mapping with ``_component_``."""
 
@@ -561,6 +572,12 @@ SCHEMA: Tuple[Key, ...] = (
         "`true`/`false`, or `{generate, trajectory, loss_step, rollout, mode}`; see "
         "[Compiling](compiling.md). `mode` is the `torch.compile` mode of the generation regions "
         "(`reduce-overhead`: CUDA graphs for the decode step); the other regions use the default mode"),
+    Key("compile_cache", BoolOrPath(), True,
+        "with any region compiled: after the first step the regions' inductor and AOTAutograd "
+        "artifacts are saved to `<output_dir>/compile_cache.bin` (or the file named), and a run "
+        "that finds the file at start reads it first, so that a resume on a fresh machine does not "
+        "compile again; `false`: off. A second run on the same machine reuses torch's own caches "
+        "either way. See [Compiling](compiling.md#time-to-first-step)"),
     Key("enable_activation_checkpointing", Bool(), False,
         "recompute activations of the trained models in backward"),
     Key("shard_frozen_models", Bool(), False,
