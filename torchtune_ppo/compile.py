@@ -228,8 +228,7 @@ class CompileCache:
         how many of the regions' inductor graphs came from a cache."""
         if self.path is None or not self._rank_zero:
             return None
-        counts = torch._dynamo.utils.counters["inductor"]
-        hits, misses = counts["fxgraph_cache_hit"], counts["fxgraph_cache_miss"]
+        hits, misses = dynamo_patches.fx_graph_cache_counts()
         _log.info(f"Compile cache: {hits} of {hits + misses} inductor graphs read from a cache, "
                   f"{misses} compiled.")
         saved = torch.compiler.save_cache_artifacts()

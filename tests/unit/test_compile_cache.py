@@ -1,11 +1,10 @@
 """The compile cache file (``compile_cache``): where it goes, when it is off, and that a damaged
 file costs a compile, never the run. Its use by a real run: tests/e2e/test_recipe.py."""
 
-import logging
-
 import pytest
 from omegaconf import OmegaConf
 
+import torchtune_ppo.compile as compile_module
 from torchtune_ppo.compile import BACKEND_ENV, CACHE_FILE, CompileCache, RecompileCounter
 
 
@@ -42,12 +41,25 @@ def test_off_with_a_test_backend(tmp_path, monkeypatch):
     assert CompileCache.from_config(_cfg(tmp_path)).path is None
 
 
-def test_a_damaged_file_is_reported_and_the_run_goes_on(tmp_path, caplog):
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def warning(self, msg):
+        self.lines.append(("warning", msg))
+
+    def info(self, msg):
+        self.lines.append(("info", msg))
+
+
+def test_a_damaged_file_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
     path = tmp_path / CACHE_FILE
     path.write_bytes(b"not a cache" * 100)
-    with caplog.at_level(logging.WARNING):
-        counter = RecompileCounter(CompileCache(path))  # reads the file at once
-    assert "could not be read" in caplog.text and str(path) in caplog.text
+    log = _Log()
+    monkeypatch.setattr(compile_module, "_log", log)
+    counter = RecompileCounter(CompileCache(path))  # reads the file at once
+    assert [level for level, _ in log.lines] == ["warning"]
+    assert "could not be read" in log.lines[0][1] and str(path) in log.lines[0][1]
     assert counter._cache.loaded == 0
     assert path.read_bytes() == b"not a cache" * 100  # kept as it was until a save replaces it
 

@@ -26,6 +26,13 @@ def current_stance() -> str:
     return getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default")
 
 
+def fx_graph_cache_counts() -> "tuple[int, int]":
+    """Inductor graphs of this process read from its FX graph cache, and compiled: (hits, misses)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_hit"]), int(counters["inductor"]["fxgraph_cache_miss"])
+
+
 def unique_graphs() -> int:
     """Graphs dynamo has compiled in this process so far.
 
