@@ -459,6 +459,12 @@ SCHEMA: Tuple[Key, ...] = (
     Key("dtype", Choice(options=("fp32", "bf16")), "fp32",
         "dtype of the models' weights and compute. On a CPU without native bf16 (no `avx512_bf16` or "
         "`amx_bf16`) bf16 is emulated and slower than fp32 (said at start-up)", must_match=True),
+    Key("fp32_logits", Bool(), False,
+        "with `dtype: bf16`: the policy's and the reference's output projection computes in fp32 "
+        "(bf16 hidden states and weight cast up, logits never rounded to bf16), so the generator, "
+        "scoring and the loss step read logprobs without bf16 logits rounding; see "
+        "[Precision](precision.md#fp32-logits). No effect in fp32. An output projection with a "
+        "LoRA adapter is refused"),
     Key("master_weights", Bool(), True,
         "with `dtype: bf16`: the optimizer steps fp32 copies of the trained weights (its state fp32 too, "
         "both saved in checkpoints) and rounds them into the bf16 weights after each step. false: AdamW on "

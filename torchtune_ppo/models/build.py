@@ -68,11 +68,12 @@ def build_models(cfg: DictConfig, *, device: torch.device, dtype: torch.dtype,
     weights = checkpointing.checkpointer_overrides(resume_from) if resume_from else {}
     build = _Builder(cfg, device, dtype)
     policy = build(cfg.policy_model, "checkpointer", weights.get("policy", {}), trainable=True,
-                   resume_from=resume_from and (resume_from, "policy"))
+                   resume_from=resume_from and (resume_from, "policy"), fp32_logits=True)
     if lora.has_adapters(policy):  # the reference is the policy's frozen base, its adapters off
         ref_policy, reference = policy, lambda: lora.adapters_off(policy)
     else:
-        ref_policy, reference = build(cfg.policy_model, "ref_policy_checkpointer", {}, trainable=False), None
+        ref_policy, reference = build(cfg.policy_model, "ref_policy_checkpointer", {}, trainable=False,
+                                      fp32_logits=True), None
     value = None  # critic-free estimators: no value model is built, trained or saved
     reward_head: Dict[str, nn.Module] = {}  # the reward checkpoint's head, for a shared base
     if uses_value_model(cfg.advantage_estimator):
@@ -96,9 +97,10 @@ class _Builder:
 
     def __call__(self, cfg_model: DictConfig, checkpointer_key: str, overrides: Mapping[str, Any], *,
                  trainable: bool, resume_from=None, train_head: bool = False,
-                 reward_head: Optional[Dict[str, nn.Module]] = None) -> nn.Module:
+                 reward_head: Optional[Dict[str, nn.Module]] = None, fp32_logits: bool = False) -> nn.Module:
         """One model; a LoRA value model whose checkpoint is the reward model's also puts that
-        checkpoint's head (frozen) in ``reward_head["output"]``."""
+        checkpoint's head (frozen) in ``reward_head["output"]``. ``fp32_logits``: a policy's
+        vocabulary projection computes in fp32 when the config asks for it (:func:`fp32_output`)."""
         cfg = self.cfg
         rng = checkpointing.capture_rng_state()
         with training.set_default_dtype(self.dtype), self.device:
@@ -120,6 +122,8 @@ class _Builder:
         else:
             model.load_state_dict(state_dict)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self.dtype)
+        if fp32_logits and cfg.get("fp32_logits", False) and self.dtype != torch.float32:
+            fp32_output(model)
         # Dropout would make the trajectory's logprobs disagree with the loss step's.
         training.disable_dropout(model)
         if trainable and cfg.enable_activation_checkpointing:
@@ -131,3 +135,45 @@ class _Builder:
             distributed.shard(model)  # else the frozen models stay whole on every rank
         return model
 
+
+
+class FP32Linear(nn.Linear):
+    """An ``nn.Linear`` whose product runs in float32 from its lower-precision input and weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return nn.functional.linear(x.float(), self.weight.float(), bias)
+
+
+class FP32TiedLinear(modules.TiedLinear):
+    """A ``TiedLinear`` (output tied to the embeddings) whose product runs in float32."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.float(), self.tied_module.weight.float())
+
+
+def fp32_output(model: nn.Module) -> nn.Module:
+    """Makes ``model``'s output projection compute in float32 (``fp32_logits``), in place.
+
+    The bf16 hidden states and weight are cast to float32 and multiplied there, so the logits
+    carry no bf16 rounding of their own: every logprob (the generator's, scoring's and the loss
+    step's), the sampling and the entropy read them. Only the class of the projection changes:
+    the same weight (shared with the embeddings when tied), the same state dict keys, gradients
+    to the bf16 weight. Reads ``model.output`` of a ``TransformerDecoder``.
+
+    Raises:
+        ValueError: for an output projection other than ``nn.Linear`` or ``TiedLinear`` (a LoRA
+            adapter on it, for one).
+    """
+    output = getattr(model, "output", None)
+    if type(output) is nn.Linear:
+        output.__class__ = FP32Linear
+    elif type(output) is modules.TiedLinear:
+        output.__class__ = FP32TiedLinear
+    elif not isinstance(output, (FP32Linear, FP32TiedLinear)):
+        raise ValueError(
+            f"fp32_logits=True computes the output projection in fp32, which it can do for an "
+            f"nn.Linear or a TiedLinear; this policy's is {type(output).__name__}. With LoRA, "
+            "leave the output projection without an adapter (apply_lora_to_output: False), or set "
+            "fp32_logits=False.")
+    return model
