@@ -8,8 +8,15 @@ A response's reward is the sum of its per-token rewards, ``score - kl_coeff * su
 Each rank repeats its own prompts (:func:`~torchtune_ppo.rlhf.sequence_processing.repeat_prompts`),
 so a group never spans ranks and its statistics need no communication; whitening is over every
 rank's valid tokens, so the result is the one-process one.
+
+Multi-turn episodes (a trajectory with ``observation_masks``): observation tokens are invalid
+(``response_padding_masks`` is True there), and every estimator runs over each row's policy
+tokens alone, as if the observations were cut out of the row; the observations get 0. With
+``turns.gae: turn``, GAE's steps are the assistant turns instead of the tokens
+(:func:`~torchtune_ppo.rlhf.rewards.turn_gae_advantages`).
 """
 
+from functools import partial
 from typing import Any, Dict, Mapping, NamedTuple, Optional
 
 import torch
@@ -17,6 +24,9 @@ import torch
 from torchtune_ppo import distributed, rlhf
 from torchtune_ppo.rlhf import GROUP_ESTIMATORS, GROUP_STD_EPS, Trajectory
 from torchtune_ppo.rlhf.correction import CorrectionWeights, MismatchStats, correction_weights, mismatch_stats
+
+# ``turns.gae``: GAE's step is a token, or an assistant turn of a multi-turn episode.
+GAE_LEVELS = ("token", "turn")
 
 
 class AdvantageSettings(NamedTuple):
@@ -36,6 +46,11 @@ class AdvantageSettings(NamedTuple):
         rollout_correction (Optional[Mapping]): ``mode`` (None: off), ``level``, ``threshold``:
             the advantages weighted by :func:`~torchtune_ppo.rlhf.correction.correction_weights`
             of the trajectory's recomputed against its rollout logprobs.
+        gae_level (str): config ``turns.gae``, one of :data:`GAE_LEVELS` (``gae`` only):
+            ``token``, GAE over the policy's tokens; ``turn``, over assistant turns
+            (:func:`~torchtune_ppo.rlhf.rewards.turn_gae_advantages`; ``gamma``, ``lmbda`` and
+            ``lmbda_actor`` per turn, ``lmbda_length_alpha`` of the number of turns). Without
+            observations a row is one turn: the whole response is one step.
     """
 
     advantage_estimator: str = "gae"
@@ -47,19 +62,36 @@ class AdvantageSettings(NamedTuple):
     lmbda_actor: Optional[float] = None
     lmbda_length_alpha: Optional[float] = None
     rollout_correction: Optional[Mapping[str, Any]] = None
+    gae_level: str = "token"
 
     @classmethod
     def from_config(cls, cfg: Any) -> "AdvantageSettings":
-        """From the validated recipe config."""
-        return cls(**{k: cfg[k] for k in cls._fields})
+        """From the validated recipe config; ``gae_level`` from the ``turns`` block, ``token``
+        without one."""
+        turns = cfg.get("turns", None)
+        level = None if turns is None else turns.get("gae", None)
+        settings = cls(**{k: cfg[k] for k in cls._fields if k != "gae_level"},
+                       gae_level="token" if level is None else level)
+        check_gae_level(settings)
+        return settings
+
+
+def check_gae_level(settings: AdvantageSettings) -> None:
+    """``turns.gae`` is one of :data:`GAE_LEVELS`, and ``turn`` only with the ``gae`` estimator."""
+    level, estimator = settings.gae_level, settings.advantage_estimator
+    if level not in GAE_LEVELS:
+        raise ValueError(f"turns.gae must be one of {list(GAE_LEVELS)}, got {level!r}.")
+    if level == "turn" and estimator != "gae":
+        raise ValueError(f"turns.gae='turn' runs GAE over turns: it needs advantage_estimator='gae', "
+                         f"got advantage_estimator={estimator!r}; set turns.gae='token' or the estimator to 'gae'.")
 
 
 class Advantages(NamedTuple):
-    """``[b, T]`` each: the ``advantages`` and ``returns`` (the value model's targets; for a
-    critic-free estimator unused by the loss), the per-token ``kl`` to the reference policy and
-    ``kl_rewards``, its penalty part of the rewards; ``lmbda_actor`` ``[b]``, the lambda of each
-    row's GAE advantages, and the critic's ``explained_variance`` (0-dim, global): both None for a
-    critic-free estimator."""
+    """``[b, T]`` each, 0 at invalid positions (observations included): the ``advantages`` and
+    ``returns`` (the value model's targets; for a critic-free estimator unused by the loss), the
+    per-token ``kl`` to the reference policy and ``kl_rewards``, its penalty part of the rewards;
+    ``lmbda_actor`` ``[b]``, the lambda of each row's GAE advantages, and the critic's
+    ``explained_variance`` (0-dim, global): both None for a critic-free estimator."""
 
     advantages: torch.Tensor
     returns: torch.Tensor
@@ -94,8 +126,13 @@ def uncorrected_advantages(trajectory: Trajectory, settings: AdvantageSettings, 
     then the advantages of ``settings.advantage_estimator``.
 
     For ``gae``: the rewards optionally whitened, then GAE
-    (:func:`~torchtune_ppo.rlhf.rewards.gae_advantages`), whitened. Every whitening is over every
-    rank's valid tokens, so the result is the one-process one.
+    (:func:`~torchtune_ppo.rlhf.rewards.gae_advantages`, or over turns with ``gae_level: turn``),
+    whitened. Every whitening is over every rank's valid tokens, so the result is the one-process one.
+
+    A trajectory with ``observation_masks`` (not None) is compacted first: each row's valid (the
+    policy's) tokens moved to its left (:func:`~torchtune_ppo.rlhf.rewards.compact`), the
+    estimators run on those rows, and the outputs moved back, 0 at observations and padding.
+    Without it the rows are used as they are (valid tokens a prefix of each row).
 
     Args:
         trajectory (Trajectory): the scored batch ``[b, ...]``, ``b = g * n`` rows in groups of
@@ -104,13 +141,31 @@ def uncorrected_advantages(trajectory: Trajectory, settings: AdvantageSettings, 
         kl_coeff (float): weight of the KL penalty (the KL controller's value this step).
 
     Returns:
-        Advantages: ``[b, T]`` tensors, 0 past each row's last valid token.
+        Advantages: ``[b, T]`` tensors, 0 at invalid positions.
     """
-    s = settings
+    check_gae_level(settings)
     valid = ~trajectory.response_padding_masks
+    observations = getattr(trajectory, "observation_masks", None)
+    turns = rlhf.turn_ids(valid, observations) if settings.gae_level == "turn" else None
+    scored = (trajectory.scores, trajectory.logprobs, trajectory.ref_logprobs, trajectory.values, valid)
+    if observations is None:
+        return _prefix_advantages(*scored, trajectory.seq_lens, turns, settings, kl_coeff)
+    # no host sync on whether any row has an observation: without one the order is the identity
+    order = rlhf.compact_order(valid)
+    compact, expand = partial(rlhf.compact, order=order), partial(rlhf.expand, order=order)
+    adv = _prefix_advantages(trajectory.scores, *map(compact, scored[1:]), trajectory.seq_lens,
+                             None if turns is None else compact(turns), settings, kl_coeff)
+    return adv._replace(advantages=expand(adv.advantages), returns=expand(adv.returns), kl=expand(adv.kl),
+                        kl_rewards=expand(adv.kl_rewards))
+
+
+def _prefix_advantages(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                       values: torch.Tensor, valid: torch.Tensor, seq_lens: torch.Tensor,
+                       turns: Optional[torch.Tensor], s: AdvantageSettings, kl_coeff: float) -> Advantages:
+    """:func:`uncorrected_advantages` of rows whose ``valid [b, T]`` tokens are a prefix;
+    ``turns [b, T]``: each token's turn for turn-level GAE, None for token-level."""
     rewards, kl, kl_rewards = rlhf.get_rewards_ppo(
-        trajectory.scores, trajectory.logprobs, trajectory.ref_logprobs, kl_coeff, trajectory.seq_lens, valid,
-        kl_estimator=s.kl_estimator,
+        scores, logprobs, ref_logprobs, kl_coeff, seq_lens, valid, kl_estimator=s.kl_estimator,
     )
     reduce = distributed.all_reduce_sum if distributed.world_size() > 1 else None
     estimator = s.advantage_estimator
@@ -121,13 +176,18 @@ def uncorrected_advantages(trajectory: Trajectory, settings: AdvantageSettings, 
         if s.whiten_rewards:
             rewards = rlhf.whiten(rewards, valid, reduce=reduce)
         lmbda_actor = s.lmbda_actor
-        if s.lmbda_length_alpha is not None:
-            lmbda_actor = rlhf.length_adaptive_lmbda(trajectory.seq_lens, s.lmbda_length_alpha)
-        advantages, returns = rlhf.gae_advantages(trajectory.values, rewards, s.gamma, s.lmbda, valid,
-                                                  reduce=reduce, lmbda_actor=lmbda_actor)
-        row_lmbda = (torch.zeros_like(trajectory.scores, dtype=torch.float32)
+        if s.lmbda_length_alpha is not None:  # of GAE's steps: tokens, or turns
+            steps = seq_lens if turns is None else turns.max(-1).values + 1
+            lmbda_actor = rlhf.length_adaptive_lmbda(steps, s.lmbda_length_alpha)
+        if turns is None:
+            advantages, returns = rlhf.gae_advantages(values, rewards, s.gamma, s.lmbda, valid,
+                                                      reduce=reduce, lmbda_actor=lmbda_actor)
+        else:
+            advantages, returns = rlhf.turn_gae_advantages(values, rewards, s.gamma, s.lmbda, valid, turns,
+                                                           reduce=reduce, lmbda_actor=lmbda_actor)
+        row_lmbda = (torch.zeros_like(scores, dtype=torch.float32)
                      + (s.lmbda if lmbda_actor is None else lmbda_actor))
-        explained = rlhf.explained_variance(returns, trajectory.values, valid, reduce=reduce)
+        explained = rlhf.explained_variance(returns, values, valid, reduce=reduce)
         return Advantages(advantages, returns, kl, kl_rewards, row_lmbda, explained)
     if estimator == "reinforce_plus_plus":
         returns = rlhf.discounted_returns(rewards, valid, s.gamma)

@@ -17,6 +17,13 @@ critic-free, so a run with one of them has no value model at all:
 Groups: a batch of ``b = g * n`` rows holds ``g`` groups of ``n`` responses to one prompt, each
 group's rows contiguous (:func:`~torchtune_ppo.rlhf.sequence_processing.repeat_prompts`).
 
+Observations: the estimators above read each row's valid tokens as a prefix (the score lands at
+``seq_lens - 1``, GAE bootstraps from the next position). A multi-turn episode's tool observations
+are holes among the policy's tokens; :func:`compact_order`, :func:`compact` and :func:`expand`
+move the policy's tokens to the left of their row and back, so the estimators run over them alone,
+observations skipped. :func:`turn_ids` and :func:`turn_gae_advantages` are GAE over assistant
+turns instead of tokens (AReaL's turn-level GAE).
+
 Pure functions on fixed-shape tensors. Reductions over processes come in as ``reduce``, a
 function that sums a tensor over every process (None: this process only).
 """
@@ -267,3 +274,95 @@ def discounted_returns(rewards: torch.Tensor, masks: torch.Tensor, gamma: float)
         out.append(running)
     return torch.stack(out[::-1], dim=1) * masks
 
+
+
+def compact_order(valid: torch.Tensor) -> torch.Tensor:
+    """A per-row permutation putting the valid positions first, in their order, then the invalid
+    ones in theirs: ``valid [b, T]`` bool -> ``[b, T]`` long, for :func:`compact` and :func:`expand`.
+
+    Shape-static (a stable sort, no boolean indexing). Where the valid positions are already a
+    prefix of each row it is the identity.
+    """
+    return torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)
+
+
+def compact(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``x [b, T]`` read in :func:`compact_order`'s order: each row's valid positions on the left."""
+    return x.gather(1, order)
+
+
+def expand(x_compact: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`compact`: ``expand(compact(x, order), order) == x``, ``[b, T]``."""
+    return torch.empty_like(x_compact).scatter(1, order, x_compact)
+
+
+def turn_ids(valid: torch.Tensor, observation_masks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The assistant turn of each valid token: 0, 1, 2, ... along each row, -1 where invalid.
+
+    A new turn starts at the first valid token after an observation: a turn is a run of valid
+    tokens with no observation token between them (padding between them does not split it).
+    Without ``observation_masks`` each row is one turn.
+
+    Args:
+        valid (torch.Tensor): bool ``[b, T]``, True at the policy's tokens.
+        observation_masks (Optional[torch.Tensor]): bool ``[b, T]``, True at observation tokens.
+
+    Returns:
+        torch.Tensor: long ``[b, T]``.
+    """
+    if observation_masks is None:
+        return torch.where(valid, 0, -1)
+    order = compact_order(valid)
+    # [b, T]: observations up to each valid token, the valid tokens first in their order
+    seen = compact(observation_masks.long().cumsum(1), order)
+    starts = torch.cat([torch.zeros_like(seen[:, :1]), (seen[:, 1:] > seen[:, :-1]).long()], dim=1)
+    return torch.where(valid, expand(starts.cumsum(1), order), -1)
+
+
+def turn_gae_advantages(
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    gamma: float,
+    lmbda: float,
+    masks: torch.Tensor,
+    turns: torch.Tensor,
+    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    lmbda_actor: Optional[Union[float, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GAE over assistant turns (AReaL's turn-level GAE): each turn is one step, whose reward is
+    the sum of its tokens' rewards and whose value is the value at its first token; every token
+    of a turn gets its turn's advantage (then whitened over valid tokens) and return.
+
+    ``A_k = delta_k + gamma * lmbda * A_{k+1}``, ``delta_k = R_k + gamma * V_{k+1} - V_k``, ending
+    at each row's last turn; a row has at most ``T`` turns, so every sum and read is a
+    scatter-add or gather on ``[b, T]``.
+
+    Args:
+        values (torch.Tensor): value estimates ``[b, T]``.
+        rewards (torch.Tensor): per-token rewards ``[b, T]`` (:func:`get_rewards_ppo`).
+        gamma (float): discount per turn.
+        lmbda (float): GAE lambda per turn, of the returns and, unless ``lmbda_actor``, the
+            advantages.
+        masks (torch.Tensor): bool ``[b, T]``, True where valid.
+        turns (torch.Tensor): long ``[b, T]``, each valid token's turn (:func:`turn_ids`),
+            nondecreasing along the valid tokens of a row.
+        reduce (Optional[Callable]): see :func:`whiten`.
+        lmbda_actor (Optional[Union[float, torch.Tensor]]): the advantages' lambda, one or per
+            row ``[b]``; None: ``lmbda``.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor]: per-token ``advantages`` (whitened over valid tokens,
+        0 elsewhere) and ``returns``, each ``[b, T]``.
+    """
+    m = masks.to(rewards.dtype)
+    idx = turns.clamp(min=0)  # [b, T]; invalid tokens add 0 to turn 0
+    # a turn's first token: its id above every id before it (invalid ones are -1)
+    before = torch.cat([torch.full_like(turns[:, :1], -1), turns.cummax(1).values[:, :-1]], dim=1)
+    first = (masks & (turns > before)).to(values.dtype)
+    turn_rewards = torch.zeros_like(rewards).scatter_add(1, idx, rewards * m)  # [b, T turns]
+    turn_values = torch.zeros_like(values).scatter_add(1, idx, values * first)  # 0 past the last turn
+    turn_advantages = gae(turn_values, turn_rewards, gamma, lmbda)
+    returns = (turn_advantages + turn_values).gather(1, idx) * m
+    if lmbda_actor is not None:
+        turn_advantages = gae(turn_values, turn_rewards, gamma, lmbda_actor)
+    return whiten(turn_advantages.gather(1, idx) * m, masks, reduce=reduce), returns
