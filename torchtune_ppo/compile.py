@@ -31,7 +31,7 @@ from torchtune import utils
 from torchtune_ppo._patches import dynamo as dynamo_patches
 from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.rollout.fused import fused_rollout
-from torchtune_ppo.rollout.generation import GenerationSteps, generate_next_token, prefill, prefill_group
+from torchtune_ppo.rollout.generation import GenerationSteps, extend, generate_next_token, prefill, prefill_group
 from torchtune_ppo.rollout.scoring import packed_score_trajectory
 
 F = TypeVar("F", bound=Callable)
@@ -154,6 +154,7 @@ def generation_steps(*, compiled: bool, mode: str = "default",
         decode=maybe_compile(generate_next_token, enabled=compiled, mode=mode),
         compiled=compiled,
         cudagraphs=cudagraphs,
+        extend=maybe_compile(extend, enabled=compiled, mode=prefill_mode),
     )
 
 

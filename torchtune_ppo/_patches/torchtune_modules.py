@@ -126,6 +126,20 @@ def _hidden_states_through_root(
     return h.to(dtype)  # unembed casts to float32
 
 
+def chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    dropout_p: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    """:func:`decode_attention` for a chunk of ``s`` queries written anywhere in the cache (a
+    multi-turn episode's observation, :func:`torchtune_ppo.rollout.turns.extend`): SDPA over
+    all ``S`` columns, as the mask says. q: [B, H, s, D], k/v: [B, H, S, D], mask: [B, s, S]."""
+    return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=dropout_p)
+
+
 class StaticKVCache:
     """KV caches of ``batch_size`` rows and ``seq_len`` columns for ``model``, attached on demand.
 
@@ -205,6 +219,19 @@ class StaticKVCache:
         finally:
             for cache, (k, v) in zip(self._caches, full):
                 cache.k_cache, cache.v_cache = k, v
+
+    @contextlib.contextmanager
+    def chunk_attention(self) -> Iterator[None]:
+        """Inside :meth:`decoding`: attention calls see every cache column
+        (:func:`chunk_attention`), for a chunk that does not start at column 0. Only around the
+        calls of one region, so each compiled region always sees the same attention."""
+        for attn in self._attn:
+            attn._attention_call = chunk_attention
+        try:
+            yield
+        finally:
+            for attn in self._attn:
+                attn._attention_call = decode_attention
 
     def copy_to_group(self, n: int, cols: int) -> None:
         """Copies the first ``cols`` columns of rows ``0, n, 2n, ...`` into the other ``n - 1``

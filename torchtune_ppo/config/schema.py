@@ -407,6 +407,33 @@ EVAL = Block(
     ),
 )
 
+TURNS = Block(
+    keys=(
+        Key("max_turns", Count(), 4,
+            "assistant turns per episode at most; a tool call in the last one is not answered and the "
+            "episode counts as truncated"),
+        Key("max_observation_tokens", Count(), 32,
+            "an observation's rendered tokens (tool turn and the next turn's generation prompt) at most; a "
+            "longer observation is cut from its end (counted in `turns/observations_cut`)"),
+        Key("observation_template", Text(optional=True, what="a string holding `{observation}` once"), None,
+            "the text an observation is rendered as (tokenized once, appended as tokens), e.g. `={observation}`; "
+            "null: the tokenizer's chat template renders it as a `tool` turn followed by the next assistant "
+            "turn's generation prompt"),
+        Key("cache_tokens", Count(optional=True), None,
+            "KV cache columns after the prompt; rows decode in lockstep, so a row that finished its turn "
+            "leaves a gap while the others write theirs; null: 2 * `max_generated_tokens`"),
+        Key("timeout_s", Number(gt=0, optional=True), 10.0,
+            "an environment step running longer ends the row's episode (counted, logged); null: no limit"),
+        Key("max_env_failures", Int(ge=0, optional=True), None,
+            "stop the run once more environment steps than this have failed (raised, timed out, returned "
+            "something else than an `EnvStep`); null: each failure only ends its episode"),
+        Key("gae", Choice(options=("token", "turn")), "token",
+            "`token`: GAE over the policy's tokens, observations skipped; `turn`: each assistant turn one "
+            "step, valued at its first token, every token given its turn's advantage (AReaL's turn-level "
+            "GAE). `gae` only"),
+    ),
+)
+
 SCHEMA: Tuple[Key, ...] = (
     Key("output_dir", Text(what="a folder path"), REQUIRED,
         "where checkpoints and logs go; the shipped configs use a new folder per run (`${ppo_run_id:}`)"),
@@ -445,6 +472,12 @@ SCHEMA: Tuple[Key, ...] = (
                                                  "torchtune_ppo.rewards.ExactMatch"), None,
         "a reward function of the decoded texts (`torchtune_ppo.rewards`) instead of a reward "
         "model; give it or `reward_checkpointer`"),
+    Key("env", Component(optional=True, note="an environment, e.g. torchtune_ppo.envs.Calculator"), None,
+        "multi-turn episodes: after each assistant turn the environment reads it and answers with an "
+        "observation (a tool's result) or ends the episode; the observation is appended as tokens and the "
+        "policy goes on. The reward scores the whole episode; observation tokens carry no loss. null: one "
+        "response per prompt. See [Multi-turn rollouts](multi_turn.md)"),
+    Key("turns", TURNS, TURNS.defaults(), "multi-turn episodes with `env`: the keys below"),
     Key("share_reward_value_base", Bool(), True,
         "a LoRA `reward_and_value_model` whose `value_checkpointer` reads the `reward_checkpointer`'s "
         "files builds one frozen base for both (noted at start): the value model with its adapters "

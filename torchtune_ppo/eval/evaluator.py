@@ -29,6 +29,7 @@ from torchtune_ppo.rewards import FunctionReward, ModelReward, WeightedSum
 from torchtune_ppo.rlhf import ScoringSettings, get_reward_penalty_mask, repeat_prompts, truncated
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rollout.generation import GenerationSteps, Generator
+from torchtune_ppo.rollout.turns import TurnRunner, episode_texts
 
 __all__ = ["EvalScorer", "Evaluator", "build_evaluator", "eval_mode", "eval_seed", "reward_parts"]
 
@@ -60,23 +61,35 @@ class EvalScorer:
         self.parts = dict(parts or {})
 
     def __call__(self, query_responses: torch.Tensor, prompt_lens: torch.Tensor,
-                 references: Sequence[Optional[str]]) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+                 references: Sequence[Optional[str]], episodes=None) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
         """``[b]`` scores (float32) and valid lengths of ``query_responses [b, P + T]``, and each part's
-        ``[b]`` scores."""
+        ``[b]`` scores. ``episodes``: the :class:`~torchtune_ppo.rollout.turns.EpisodeOutput` of
+        multi-turn rows, scored whole (with the environment's rewards); their lengths count the
+        policy's tokens."""
         P = self.settings.prompt_len
-        rows, padding, masks, positions = truncated(query_responses, prompt_lens, self.stop_token_ids, self.settings)
+        lens, obs = (None, None) if episodes is None else (episodes.episode_lens, episodes.observation_masks)
+        rows, padding, masks, positions = truncated(query_responses, prompt_lens, self.stop_token_ids, self.settings,
+                                                    lens, obs)
         seq_lens = (~padding).sum(-1)  # [b], stop token included
+        if episodes is not None:  # the reward reads the whole episode
+            valid, seq_lens = seq_lens, episodes.episode_lens
         if isinstance(self.reward, ModelReward):
             scores = self.reward(rows, masks, positions, (P + seq_lens - 1).clamp(min=0))
         else:
-            scores = self._function(self.reward, rows, prompt_lens, seq_lens, references)
-        parts = {name: self._function(fn, rows, prompt_lens, seq_lens, references) for name, fn in self.parts.items()}
+            scores = self._function(self.reward, rows, prompt_lens, seq_lens, references, episodes)
+        parts = {name: self._function(fn, rows, prompt_lens, seq_lens, references, episodes)
+                 for name, fn in self.parts.items()}
         penalty = get_reward_penalty_mask(padding, seq_lens, self.stop_token_ids, rows[:, P:],
                                           self.settings.penalise_no_eos, self.settings.min_response_length)
         scores = torch.where(penalty, torch.full_like(scores, self.settings.reward_penalty), scores.float())
+        if episodes is not None:
+            return scores + episodes.env_scores, valid, parts
         return scores, seq_lens, parts
 
-    def _function(self, fn: FunctionReward, rows, prompt_lens, seq_lens, references) -> torch.Tensor:
+    def _function(self, fn: FunctionReward, rows, prompt_lens, seq_lens, references, episodes=None) -> torch.Tensor:
+        if episodes is not None:  # an episode's reward reads its final assistant turn
+            return fn(*episode_texts(episodes, prompt_lens, self.settings.prompt_len), list(references),
+                      device=rows.device)
         return fn.score_batch(rows, prompt_lens, seq_lens, list(references), prompt_len=self.settings.prompt_len,
                               stop_token_ids=self.stop_token_ids)
 
@@ -116,6 +129,8 @@ class Evaluator:
         keep_step (Optional[Callable[[int], None]]): told the step of a new best, whose checkpoint
             pruning must keep.
         log: where each evaluation's line goes (on rank 0).
+        turns (Optional[TurnRunner]): multi-turn episodes with the training's environment, on
+            ``generator``; None: one response per prompt.
     """
 
     def __init__(self, generator: Optional[Generator],
@@ -123,7 +138,8 @@ class Evaluator:
                  record: EvalRecord, *, num_samples: int = 1, correct_threshold: float = 1.0, seed: int = 0,
                  models: Sequence[nn.Module] = (), warm_up: Callable[[], ContextManager] = contextlib.nullcontext,
                  log_dict: Optional[Callable] = None, keep_step: Optional[Callable[[int], None]] = None,
-                 log=None) -> None:
+                 log=None, turns: Optional[TurnRunner] = None) -> None:
+        self.turns = turns
         if isinstance(prompts, EvalPrompts):
             prompts = [prompts]
         names = [p.name for p in prompts or ()]
@@ -183,8 +199,13 @@ class Evaluator:
         for i in range(0, len(lens), gen.batch_size):
             chunk = slice(i, i + gen.batch_size)
             p, n = tokens[chunk].to(gen.device), lens[chunk].to(gen.device)
-            out = gen.generate(p, n, rng=rng)
-            s, length, part = self.scorer(out.query_responses, n, refs[chunk])
+            if self.turns is None:
+                out = gen.generate(p, n, rng=rng)
+                s, length, part = self.scorer(out.query_responses, n, refs[chunk])
+            else:  # multi-turn episodes, the environment seeded as the evaluation's stream
+                seeds = [eval_seed(self.seed, step, rank, prompts.name) + i for i in range(i, i + len(n))]
+                out = self.turns.generate(p, n, rng, refs[chunk], seeds)
+                s, length, part = self.scorer(out.query_responses, n, refs[chunk], episodes=out)
             scores.append(s)
             lengths.append(length)
             for name, v in part.items():
@@ -250,14 +271,19 @@ def build_evaluator(block: DictConfig, checked: Any, rollout: Rollout, steps: Ge
                 f"the evaluation prompts' width + eval.max_generated_tokens ({width} + {T}) exceeds "
                 f"the model's max_seq_len ({limit}); lower eval.max_generated_tokens, or set max_prompt_len (with "
                 "long_prompts=truncate each prompt keeps its last tokens).")
+    turns = rollout.turns
     generator = Generator(
         train_gen.model, batch_size=block.batch_size or train_gen.batch_size, max_prompt_len=width,
         max_generated_tokens=T, pad_id=train_gen.pad_id, stop_token_ids=train_gen.stop_token_ids,
         temperature=float(block.temperature), top_k=block.top_k, top_p=block.top_p, steps=steps,
         dtype=train_gen.dtype, device=train_gen.device,
+        cache_tokens=None if turns is None else max(T, train_gen.cache_tokens * T // train_gen.max_generated_tokens),
     )
+    if turns is not None:  # the training's environment and settings, on the evaluation's generator
+        turns = TurnRunner(generator, turns.env, turns.renderer, turns.tokenizer, turns.settings)
     settings = rollout.settings._replace(prompt_len=width, temperature=float(block.temperature))
     scorer = EvalScorer(reward, settings, rollout.stop_token_ids, parts)
     return Evaluator(generator, prompt_sets, scorer, record, num_samples=block.num_samples,
                      correct_threshold=float(block.correct_threshold), seed=seed, models=models,
-                     warm_up=warm_up, log_dict=log_dict, keep_step=keep_step, log=utils.get_logger("INFO"))
+                     warm_up=warm_up, log_dict=log_dict, keep_step=keep_step, log=utils.get_logger("INFO"),
+                     turns=turns)

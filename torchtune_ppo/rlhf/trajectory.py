@@ -50,6 +50,11 @@ class Trajectory(NamedTuple):
         seq_lens (torch.Tensor): valid response tokens per row, stop token included ``[b]``.
         rollout_logprobs (Optional[torch.Tensor]): the generator's logprobs ``[b, T]`` (0 where
             invalid): ``logprobs`` itself unless the trainer recomputed those.
+        observation_masks (Optional[torch.Tensor]): multi-turn episodes only: bool ``[b, T]``,
+            True on the tokens an environment wrote (:mod:`torchtune_ppo.rollout.turns`). They are
+            part of the sequence (attended) but not the policy's: ``response_padding_masks`` is
+            True on them too, so they carry no loss, KL or value loss, and ``seq_lens`` counts
+            the policy's tokens only. None: single-turn responses.
     """
 
     query_responses: torch.Tensor
@@ -62,6 +67,7 @@ class Trajectory(NamedTuple):
     scores: torch.Tensor
     seq_lens: torch.Tensor
     rollout_logprobs: Optional[torch.Tensor] = None
+    observation_masks: Optional[torch.Tensor] = None
 
 
 def concat_trajectories(chunks: Sequence[Trajectory]) -> Trajectory:
@@ -74,17 +80,28 @@ def truncated(
     prompt_lens: torch.Tensor,
     stop_token_ids: torch.Tensor,
     settings: ScoringSettings,
+    episode_lens: Optional[torch.Tensor] = None,
+    observation_masks: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 4, first, so every later step sees the final tokens: each response truncated after
     its first stop token. Returns the truncated ``query_responses [b, P + T]``, the
     ``response_padding_masks [b, T]``, and the padded rows' attention masks and position ids
-    (:func:`masks_and_positions`)."""
+    (:func:`masks_and_positions`).
+
+    Multi-turn episodes hold a stop token at the end of every turn: with ``episode_lens [b]``
+    each response ends after its episode instead, and ``observation_masks [b, T]`` (True on the
+    environment's tokens) are padding for everything but attention."""
     prompt_len = settings.prompt_len
     prompts, responses = query_responses[:, :prompt_len], query_responses[:, prompt_len:]
     masks, position_ids = masks_and_positions(prompt_lens, prompt_len, responses.shape[1])
-    response_padding_masks, responses = truncate_after_stop_token(
-        responses, stop_token_ids, settings.pad_id
-    )
+    if episode_lens is None:
+        response_padding_masks, responses = truncate_after_stop_token(
+            responses, stop_token_ids, settings.pad_id
+        )
+    else:
+        after = torch.arange(responses.shape[1], device=responses.device) >= episode_lens[:, None]
+        responses = responses.masked_fill(after, settings.pad_id)
+        response_padding_masks = after if observation_masks is None else after | observation_masks
     return torch.cat([prompts, responses], dim=1), response_padding_masks, masks, position_ids
 
 
@@ -99,6 +116,7 @@ def finish_trajectory(
     scores: torch.Tensor,
     stop_token_ids: torch.Tensor,
     settings: ScoringSettings,
+    observation_masks: Optional[torch.Tensor] = None,
 ) -> Trajectory:
     """Steps 5 (penalties) and 6 (everything past the last valid token zeroed): the
     :class:`Trajectory` from truncated rows (:func:`truncated`), ``[b, T]`` logprobs, reference
@@ -127,5 +145,6 @@ def finish_trajectory(
         scores=scores,
         seq_lens=seq_lens,
         rollout_logprobs=logprobs,  # the same tensor, until the trainer recomputes ``logprobs``
+        observation_masks=observation_masks,
     )
 

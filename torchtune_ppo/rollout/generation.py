@@ -35,8 +35,8 @@ from torchtune_ppo.config import check_sampling, check_whole_groups
 from torchtune_ppo.rlhf import truncate_after_stop_token
 from torchtune_ppo.rollout.sampling import sample
 
-__all__ = ["GenerationInputs", "GenerationOutput", "GenerationSteps", "Generator", "generate_next_token",
-           "prefill", "prefill_group"]
+__all__ = ["GenerationInputs", "GenerationOutput", "GenerationSteps", "Generator", "extend",
+           "generate_next_token", "prefill", "prefill_group"]
 
 
 class GenerationOutput(NamedTuple):
@@ -183,6 +183,40 @@ def generate_next_token(
     return token, logprob, logits
 
 
+def extend(
+    model: TransformerDecoder,
+    tokens: torch.Tensor,
+    input_pos: torch.Tensor,
+    mask: torch.Tensor,
+    last: torch.Tensor,
+    noise: Optional[torch.Tensor] = None,
+    *,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Writes a chunk of tokens per row into the KV cache and samples from each row's last one.
+
+    Args:
+        model (TransformerDecoder): model with KV caches enabled; the chunk goes to the cache's
+            next ``W`` columns.
+        tokens (torch.Tensor): ``[B, W]`` each row's chunk, left-aligned (filler after it).
+        input_pos (torch.Tensor): ``[B, W]`` position ids.
+        mask (torch.Tensor): ``[B, W, S]`` bool, the cache columns each chunk token attends.
+        last (torch.Tensor): ``[B]`` index in the chunk of the token to sample after.
+        noise, temperature, top_k, top_p: see :func:`sample`.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``[B]`` tokens, ``[B]`` logprobs and the
+        ``[B, V]`` float32 logits they were sampled from.
+    """
+    h = final_hidden_states(model, tokens, mask=mask, input_pos=input_pos)  # [B, W, D]
+    h = h.gather(1, last[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [B, D]
+    logits = model.output(h).float()
+    token, logprob = sample(logits, noise, temperature=temperature, top_k=top_k, top_p=top_p)
+    return token, logprob, logits
+
+
 class GenerationSteps(NamedTuple):
     """The step functions a :class:`Generator` runs: :func:`prefill`, :func:`prefill_group` and
     :func:`generate_next_token`, each eager or compiled (:func:`torchtune_ppo.compile.generation_steps`).
@@ -195,6 +229,8 @@ class GenerationSteps(NamedTuple):
             after its first step.
         cudagraphs (bool): the decode step replays CUDA graphs, whose outputs the next replay
             overwrites.
+        extend (Callable): a chunk written anywhere in the cache, for multi-turn episodes
+            (:mod:`torchtune_ppo.rollout.turns`).
     """
 
     prefill: Callable
@@ -202,6 +238,7 @@ class GenerationSteps(NamedTuple):
     decode: Callable
     compiled: bool = False
     cudagraphs: bool = False
+    extend: Callable = extend
 
 
 EAGER_STEPS = GenerationSteps(prefill, prefill_group, generate_next_token)
@@ -232,6 +269,9 @@ class Generator:
             multiple of ``n``. 1: every row is prefilled (:func:`prefill`).
         dtype (Optional[torch.dtype]): KV cache dtype; defaults to the model's.
         device (Optional[torch.device]): defaults to the model's.
+        cache_tokens (Optional[int]): KV cache columns after the prompt's ``P``; None: ``T``.
+            Multi-turn episodes (:mod:`torchtune_ppo.rollout.turns`) leave gaps in the cache
+            and take more.
 
     Raises:
         ValueError: on an invalid argument, naming it and its value.
@@ -254,8 +294,11 @@ class Generator:
         group_size: int = 1,
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
+        cache_tokens: Optional[int] = None,
     ) -> None:
         param = next(model.parameters())
+        # cache columns after the prompt: T, or more for multi-turn episodes (rollout/turns.py)
+        self.cache_tokens = max_generated_tokens if cache_tokens is None else cache_tokens
         self.model = model
         self.batch_size, self.max_prompt_len = batch_size, max_prompt_len
         self.max_generated_tokens, self.pad_id = max_generated_tokens, pad_id
@@ -276,14 +319,14 @@ class Generator:
         self._prefill = steps.prefill if group_size == 1 else steps.prefill_group
         self._decode, self._cudagraphs = steps.decode, steps.cudagraphs
         self.kv_cache = StaticKVCache(
-            model, batch_size=batch_size, seq_len=max_prompt_len + max_generated_tokens,
+            model, batch_size=batch_size, seq_len=max_prompt_len + self.cache_tokens,
             dtype=self.dtype, device=self.device,
         )
         self._setup_buffers()
 
     def _setup_buffers(self) -> None:
         B, P, T = self.batch_size, self.max_prompt_len, self.max_generated_tokens
-        S, dev = P + T, self.device
+        S, dev = P + self.cache_tokens, self.device
         self.inputs = GenerationInputs(
             tokens=torch.full((B, P), self.pad_id, dtype=torch.long, device=dev),
             prefill_pos=torch.zeros(B, P, dtype=torch.long, device=dev),
@@ -394,18 +437,7 @@ class Generator:
         self._logprobs_out.zero_()
         logits_out = (torch.zeros(self.batch_size, T, self.vocab_size, device=self.device)
                       if return_logits else None)
-        if self.group_size == 1:
-            token, logprob, logits = self._prefill(
-                self.model, inp.tokens, inp.prefill_pos, inp.prefill_mask, self.draw_noise(rng), **self.sampling
-            )
-        else:
-            with self.kv_cache.rows_every(self.group_size):  # cache rows 0, n, 2n, ...
-                token, logprob, logits = self._prefill(
-                    self.model, self._group_tokens, self._group_pos, self._group_mask,
-                    self.draw_noise(rng), group_size=self.group_size, **self.sampling,
-                )
-            self.kv_cache.copy_to_group(self.group_size, P)
-        token = self._record(0, token, logprob, logits, logits_out)
+        token = self._record(0, *self.first_token(rng), logits_out)
         with contextlib.ExitStack() as stack:
             for i in range(1, T):
                 if self.stop_token_ids and i % self.stop_check_every == 0 and self._all_done(b, i):
@@ -423,6 +455,22 @@ class Generator:
                 token = self._record(i, token, logprob, logits, logits_out)
         return logits_out
 
+    def first_token(self, rng: Optional[torch.Generator]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefill of the prepared prompts (once per group with ``group_size`` > 1), filling
+        the cache's first ``P`` columns: the ``[B]`` first tokens, their logprobs, ``[B, V]`` logits."""
+        inp = self.inputs
+        if self.group_size == 1:
+            return self._prefill(
+                self.model, inp.tokens, inp.prefill_pos, inp.prefill_mask, self.draw_noise(rng), **self.sampling
+            )
+        with self.kv_cache.rows_every(self.group_size):  # cache rows 0, n, 2n, ...
+            token, logprob, logits = self._prefill(
+                self.model, self._group_tokens, self._group_pos, self._group_mask,
+                self.draw_noise(rng), group_size=self.group_size, **self.sampling,
+            )
+        self.kv_cache.copy_to_group(self.group_size, self.max_prompt_len)
+        return token, logprob, logits
+
     def _record(self, i, token, logprob, logits, logits_out) -> torch.Tensor:
         """Writes step ``i``'s outputs; returns the token to feed next."""
         self._token_cols[i].copy_(token)
@@ -439,10 +487,14 @@ class Generator:
 
 # Argument checks, kept out of the class so that it reads as what it does.
 def _check_sizes(gen: "Generator") -> None:
-    for name in ("batch_size", "max_prompt_len", "max_generated_tokens", "stop_check_every", "group_size"):
+    for name in ("batch_size", "max_prompt_len", "max_generated_tokens", "stop_check_every", "group_size",
+                 "cache_tokens"):
         value = getattr(gen, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"Generator: {name}={value!r} is invalid; expected an int >= 1.")
+    if gen.cache_tokens < gen.max_generated_tokens:
+        raise ValueError(f"Generator: cache_tokens={gen.cache_tokens} is below max_generated_tokens="
+                         f"{gen.max_generated_tokens}; the cache holds every response token.")
     seq_len = gen.max_prompt_len + gen.max_generated_tokens
     if seq_len > gen.model.max_seq_len:
         raise ValueError(

@@ -22,7 +22,7 @@ scoring left gathered. With one process that is all a no-op.
 """
 
 import contextlib
-from typing import Callable, ContextManager, List, Optional, Sequence, Union
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from torchtune_ppo.rlhf import ScoringSettings, Trajectory, concat_trajectories,
 from torchtune_ppo.rlhf.packing import logprob_chunks, shared_row_len
 from torchtune_ppo.rollout.generation import Generator
 from torchtune_ppo.rollout.scoring import PackedScoring, packed_score_trajectory, plan_scoring
+from torchtune_ppo.rollout.turns import EpisodeOutput, EpisodeStats, TurnRunner, episode_texts
 
 
 class Rollout:
@@ -63,6 +64,10 @@ class Rollout:
             of the sampled tokens are the trajectory's ``logprobs`` (PPO's old ones); the
             generator's go to ``rollout_logprobs`` (``rollout_correction``). Not with a LoRA
             policy's ``reference`` (the scoring runs with its adapters off) or ``fused_rollout``.
+        turns (Optional[TurnRunner]): multi-turn episodes with an environment
+            (:mod:`torchtune_ppo.rollout.turns`) instead of one response per prompt: each row is
+            scored whole, observation tokens masked out of everything but attention, and the
+            environment's step rewards added to its score. Not with ``fused_rollout``.
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class Rollout:
         whole_scoring_models: bool = False,
         reference: Optional[Callable[[], ContextManager]] = None,
         recompute_logprobs: bool = False,
+        turns: Optional[TurnRunner] = None,
     ) -> None:
         if not isinstance(reward, (ModelReward, FunctionReward)):
             raise TypeError(f"Rollout: reward must be a ModelReward or a FunctionReward, got {type(reward).__name__}.")
@@ -96,7 +102,12 @@ class Rollout:
         if recompute_logprobs and (reference is not None or self._fused is not None):
             raise ValueError("recompute_logprobs: the policy's forward would run inside the scoring with a LoRA "
                              "policy's adapters off, or not at all in the fused region.")
+        if turns is not None and self._fused is not None:
+            raise ValueError("compile.rollout unrolls a single-turn generation; multi-turn episodes (env) run "
+                             "with compile.generate and compile.trajectory instead.")
         self.recompute_logprobs = recompute_logprobs
+        self.turns = turns
+        self.episode_metrics: Dict[str, float] = {}  # the last call's, with turns
         self._reference = reference or contextlib.nullcontext
         self._compiled_scoring = whole_scoring_models
         scoring = (ref_policy_model, value_model, self._reward_model, generator.model if recompute_logprobs else None)
@@ -119,12 +130,14 @@ class Rollout:
         rng: Optional[torch.Generator],
         timer,
         references: Optional[Sequence[Optional[str]]] = None,
+        seeds: Optional[Sequence[int]] = None,
     ) -> Trajectory:
         """Generates and scores ``prompts [b, P]`` of real lengths ``prompt_lens [b]``.
 
         ``timer(phase)`` is a context manager timing each phase ("generate", "reward" for a
         function reward, "score"); the fused region is timed as "generate".
-        ``references`` (one per row, or None) go to a function reward.
+        ``references`` (one per row, or None) go to a function reward, and with ``turns`` to the
+        environment with ``seeds`` (one per row).
         """
         n = self.generator.batch_size
         chunks = list(zip(prompts.split(n), prompt_lens.split(n)))
@@ -135,22 +148,42 @@ class Rollout:
                 trajectories = [self._fused_chunk(p, lens, rng) for p, lens in chunks]
         else:
             with timer("generate"), distributed.gathered(self.generator.model):
-                outputs = [self.generator.generate(p, lens, rng=rng) for p, lens in chunks]
+                if self.turns is None:
+                    outputs = [self.generator.generate(p, lens, rng=rng) for p, lens in chunks]
+                else:
+                    outputs = self._episodes(chunks, rng, references, seeds)
             scores = [None] * len(outputs)
             if isinstance(self.reward, FunctionReward):
                 with timer("reward"):
                     scores = self._function_scores(outputs, prompt_lens, references)
             with timer("score"), torch.no_grad(), scoring_whole, self._reference():
                 plans = self._plans(outputs, [lens for _, lens in chunks])
-                trajectories = [self._score_chunk(out.query_responses, lens, out.logprobs, chunk_scores, plan)
+                trajectories = [self._score_chunk(out, lens, chunk_scores, plan)
                                 for out, (_, lens), chunk_scores, plan in zip(outputs, chunks, scores, plans)]
         distributed.reshard(*self._scoring_models)  # what eager scoring's forwards left gathered
         return concat_trajectories(trajectories)
 
-    def _valid_counts(self, query_responses: torch.Tensor) -> torch.Tensor:
-        """Valid response tokens per row ``[b]``, stop token included."""
+    def _episodes(self, chunks, rng, references, seeds) -> List[EpisodeOutput]:
+        """Multi-turn episodes of every chunk, and their metrics in ``episode_metrics``."""
+        n, outputs = self.generator.batch_size, []
+        for i, (p, lens) in enumerate(chunks):
+            refs = None if references is None else list(references[i * n: i * n + len(p)])
+            row_seeds = None if seeds is None else list(seeds[i * n: i * n + len(p)])
+            outputs.append(self.turns.generate(p, lens, rng, refs, row_seeds))
+        stats = EpisodeStats(*([x for out in outputs for x in getattr(out.stats, f)] for f in EpisodeStats._fields))
+        device = self.generator.device
+        reduce = (lambda x: distributed.all_reduce_sum(x.to(device)).cpu()) if distributed.world_size() > 1 else None
+        self.episode_metrics = stats.metrics(reduce)
+        self.last_episodes = outputs
+        return outputs
+
+    def _valid_counts(self, output) -> torch.Tensor:
+        """Tokens per row ``[b]`` the scoring packs: valid response tokens, stop token included,
+        or a multi-turn episode's tokens."""
+        if isinstance(output, EpisodeOutput):
+            return output.episode_lens
         padding, _ = truncate_after_stop_token(
-            query_responses[:, self.settings.prompt_len:], self.stop_token_ids, self.settings.pad_id
+            output.query_responses[:, self.settings.prompt_len:], self.stop_token_ids, self.settings.pad_id
         )
         return (~padding).sum(-1)
 
@@ -159,36 +192,43 @@ class Rollout:
         """Scores ``[b]`` per chunk from the function reward, on the generated (truncated) texts."""
         n, P = self.generator.batch_size, self.settings.prompt_len
         references = [None] * len(prompt_lens) if references is None else list(references)
+        if self.turns is not None:  # an episode's reward reads its final assistant turn
+            return [self.reward(*episode_texts(out, prompt_lens[i * n: (i + 1) * n], P),
+                                references[i * n: (i + 1) * n], device=out.query_responses.device)
+                    for i, out in enumerate(outputs)]
         return [
             self.reward.score_batch(
-                out.query_responses, prompt_lens[i * n : (i + 1) * n], self._valid_counts(out.query_responses),
+                out.query_responses, prompt_lens[i * n : (i + 1) * n], self._valid_counts(out),
                 references[i * n : (i + 1) * n], prompt_len=P, stop_token_ids=self.stop_token_ids,
             )
             for i, out in enumerate(outputs)
         ]
 
-    def _score_chunk(self, query_responses: torch.Tensor, prompt_lens: torch.Tensor,
-                     logprobs: torch.Tensor, scores: Optional[torch.Tensor], plan: PackedScoring) -> Trajectory:
+    def _score_chunk(self, output, prompt_lens: torch.Tensor, scores: Optional[torch.Tensor],
+                     plan: PackedScoring) -> Trajectory:
         """Scores one chunk packed along ``plan``: the reward model in the graph, or given scores."""
-        if not self.recompute_logprobs:
-            return self._score(
-                query_responses, prompt_lens.to(query_responses.device), logprobs, None,
-                self.ref_policy_model, self.value_model, self._reward_model, self.stop_token_ids,
-                plan, self.settings, scores=scores,
-            )
-        # the trainer's own logprobs of the sampled tokens become the old ones; the generator's stay beside
+        query_responses, logprobs = output.query_responses, output.logprobs
+        episodes = {}
+        if isinstance(output, EpisodeOutput):
+            episodes = dict(episode_lens=output.episode_lens, observation_masks=output.observation_masks)
         trajectory = self._score(
-            query_responses, prompt_lens.to(query_responses.device), None, self.generator.model,
+            query_responses, prompt_lens.to(query_responses.device),
+            None if self.recompute_logprobs else logprobs, self.generator.model if self.recompute_logprobs else None,
             self.ref_policy_model, self.value_model, self._reward_model, self.stop_token_ids,
-            plan, self.settings, scores=scores,
+            plan, self.settings, scores=scores, **episodes,
         )
+        if isinstance(output, EpisodeOutput):  # the environment's step rewards
+            trajectory = trajectory._replace(scores=trajectory.scores + output.env_scores)
+        if not self.recompute_logprobs:
+            return trajectory
+        # the trainer's own logprobs of the sampled tokens are the old ones; the generator's stay beside
         return trajectory._replace(rollout_logprobs=logprobs.float() * ~trajectory.response_padding_masks)
 
     def _plans(self, outputs, prompt_lens: List[torch.Tensor]) -> List[PackedScoring]:
         """Each chunk's packing, from its prompt lengths and valid response lengths (one sync)."""
         P, T = self.settings.prompt_len, self.generator.max_generated_tokens
         device = outputs[0].query_responses.device
-        lengths = [torch.stack([lens.to(device, torch.long), self._valid_counts(out.query_responses)])
+        lengths = [torch.stack([lens.to(device, torch.long), self._valid_counts(out)])
                    for out, lens in zip(outputs, prompt_lens)]
         host = torch.cat(lengths, dim=1).tolist()  # [2, rows of every chunk]
         plans, start = [], 0

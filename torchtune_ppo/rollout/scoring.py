@@ -192,6 +192,8 @@ def packed_score_trajectory(
     plan: PackedScoring,
     settings: ScoringSettings,
     scores: Optional[torch.Tensor] = None,
+    episode_lens: Optional[torch.Tensor] = None,
+    observation_masks: Optional[torch.Tensor] = None,
 ) -> Trajectory:
     """Steps 2-6 of the PPO trajectory with the forwards on packed rows.
 
@@ -213,12 +215,17 @@ def packed_score_trajectory(
         settings (ScoringSettings): ``P``, the pad id, the temperature and the penalties.
         scores (Optional[torch.Tensor]): ``[b]`` scores of the truncated responses, used when
             ``reward_model`` is None; the penalties still apply.
+        episode_lens (Optional[torch.Tensor]): multi-turn episodes: ``[b]`` tokens of each, whose
+            end replaces the first stop token's (:func:`~torchtune_ppo.rlhf.trajectory.truncated`);
+            ``plan`` then packs each whole episode.
+        observation_masks (Optional[torch.Tensor]): with ``episode_lens``: ``[b, T]`` True on the
+            environment's tokens, attended but not the policy's.
 
     Returns:
         Trajectory: the scored batch, padded ``[b, ...]`` as if scored on padded rows.
     """
     qr, response_padding_masks, masks, padded_positions = truncated(
-        query_responses, prompt_lens, stop_token_ids, settings
+        query_responses, prompt_lens, stop_token_ids, settings, episode_lens, observation_masks
     )
     responses = qr[:, settings.prompt_len:]
     tokens = qr.flatten()[plan.token_src]  # [R, L]
@@ -248,5 +255,5 @@ def packed_score_trajectory(
 
     return finish_trajectory(
         qr, response_padding_masks, masks, padded_positions, logprobs, ref_logprobs, values,
-        scores, stop_token_ids, settings,
+        scores, stop_token_ids, settings, observation_masks,
     )
