@@ -79,7 +79,8 @@ def step_metrics(
     ppo_time = times.get("loss_step", 0.0) + times.get("optimizer", 0.0)
     metrics = {
         "scores": scores,  # over rows with a finite score
-        "num_stop_tokens": trajectory.response_padding_masks.any(-1).sum(),
+        # rows that ended before T: a stop token (one-turn), or a finished episode (multi-turn)
+        "num_stop_tokens": trajectory.response_padding_masks[:, -1].sum(),
         "rlhf_reward": scores + kl_rewards.sum(1).mean(),
         "kl": kl.sum(1).mean(),
         "kl_reward": kl_rewards.sum(1).mean(),
