@@ -149,9 +149,13 @@ def test_a_failing_environment_ends_the_episode_and_is_counted():
     assert out.stats.failed == finished and sum(finished) > 0
     assert run.failures == sum(finished)
     assert out.stats.metrics()["turns/env_failures"] == sum(finished)
-    strict, _ = runner(env=Raises(), max_env_failures=0)
-    with pytest.raises(RuntimeError, match="turns.max_env_failures=0.*tool down"):
-        strict.generate(prompts, lens, torch.Generator().manual_seed(0))
+    run.check_failures(sum(finished))  # no limit
+    strict, _ = runner(env=Raises(), max_env_failures=sum(finished))
+    out = strict.generate(prompts, lens, torch.Generator().manual_seed(0))
+    strict.check_failures(sum(out.stats.failed))  # at the limit: goes on
+    with pytest.raises(RuntimeError, match=f"{sum(finished) + 1} environment steps failed.*"
+                                           f"turns.max_env_failures={sum(finished)}.*tool down"):
+        strict.check_failures(sum(out.stats.failed) + 1)
 
 
 def test_a_long_observation_is_cut_to_fit_and_counted():

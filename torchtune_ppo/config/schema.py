@@ -425,8 +425,9 @@ TURNS = Block(
         Key("timeout_s", Number(gt=0, optional=True), 10.0,
             "an environment step running longer ends the row's episode (counted, logged); null: no limit"),
         Key("max_env_failures", Int(ge=0, optional=True), None,
-            "stop the run once more environment steps than this have failed (raised, timed out, returned "
-            "something else than an `EnvStep`); null: each failure only ends its episode"),
+            "stop the run (after saving the last completed step) when more environment steps than this fail "
+            "in one PPO step's episodes, over every process (raised, timed out, returned something else than an "
+            "`EnvStep`); null: each failure only ends its episode"),
         Key("gae", Choice(options=("token", "turn")), "token",
             "`token`: GAE over the policy's tokens, observations skipped; `turn`: each assistant turn one "
             "step, valued at its first token, every token given its turn's advantage (AReaL's turn-level "

@@ -29,7 +29,7 @@ from torchtune_ppo.rewards import FunctionReward, ModelReward, WeightedSum
 from torchtune_ppo.rlhf import ScoringSettings, get_reward_penalty_mask, repeat_prompts, truncated
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rollout.generation import GenerationSteps, Generator
-from torchtune_ppo.rollout.turns import TurnRunner, episode_texts
+from torchtune_ppo.rollout.turns import EpisodeStats, TurnRunner, episode_texts
 
 __all__ = ["EvalScorer", "Evaluator", "build_evaluator", "eval_mode", "eval_seed", "reward_parts"]
 
@@ -195,6 +195,7 @@ class Evaluator:
         rng = torch.Generator(gen.device).manual_seed(eval_seed(self.seed, step, rank, prompts.name))
         scores: List[torch.Tensor] = []
         lengths: List[torch.Tensor] = []
+        episodes: List[EpisodeStats] = []
         parts: Dict[str, List[torch.Tensor]] = {name: [] for name in self.scorer.parts}
         for i in range(0, len(lens), gen.batch_size):
             chunk = slice(i, i + gen.batch_size)
@@ -206,6 +207,7 @@ class Evaluator:
                 seeds = [eval_seed(self.seed, step, rank, prompts.name) + i for i in range(i, i + len(n))]
                 out = self.turns.generate(p, n, rng, refs[chunk], seeds)
                 s, length, part = self.scorer(out.query_responses, n, refs[chunk], episodes=out)
+                episodes.append(out.stats)
             scores.append(s)
             lengths.append(length)
             for name, v in part.items():
@@ -214,7 +216,13 @@ class Evaluator:
         sums = tally(torch.cat(scores) if scores else empty, torch.cat(lengths) if lengths else empty,
                      num_samples=self.num_samples, correct_threshold=self.correct_threshold,
                      parts={k: torch.cat(v) if v else empty for k, v in parts.items()})
-        return eval_metrics(sum_over_processes(sums, distributed.all_reduce_sum, gen.device), self.num_samples)
+        metrics = eval_metrics(sum_over_processes(sums, distributed.all_reduce_sum, gen.device), self.num_samples)
+        if self.turns is not None:  # val/turns/...: the episodes' turns and tool calls
+            stats = EpisodeStats(*([x for e in episodes for x in getattr(e, f)] for f in EpisodeStats._fields))
+            reduce = ((lambda x: distributed.all_reduce_sum(x.to(gen.device)).cpu())
+                      if distributed.world_size() > 1 else None)
+            metrics.update({f"val/{k}": v for k, v in stats.metrics(reduce).items()})
+        return metrics
 
 
 def reward_parts(reward: Union[FunctionReward, ModelReward], tokenizer) -> Dict[str, FunctionReward]:

@@ -174,6 +174,7 @@ class Rollout:
         device = self.generator.device
         reduce = (lambda x: distributed.all_reduce_sum(x.to(device)).cpu()) if distributed.world_size() > 1 else None
         self.episode_metrics = stats.metrics(reduce)
+        self.turns.check_failures(self.episode_metrics["turns/env_failures"])  # turns.max_env_failures
         self.last_episodes = outputs
         return outputs
 

@@ -63,8 +63,9 @@ class TurnSettings(NamedTuple):
         max_observation_tokens (int): an observation's rendered tokens at most (longer ones are
             cut, counted); the extend chunk is one wider.
         timeout_s (Optional[float]): an environment step running longer ends the row's episode.
-        max_env_failures (Optional[int]): the run stops after this many failed environment steps
-            in total (raised, timed out, bad return); None: never, each only ends its episode.
+        max_env_failures (Optional[int]): a PPO step whose episodes (over every process) have
+            more failed environment steps (raised, timed out, bad return) stops the run
+            (:meth:`TurnRunner.check_failures`); None: never, each only ends its episode.
     """
 
     max_turns: int = 4
@@ -150,7 +151,7 @@ class TurnRunner:
             raise ValueError(f"turns.max_observation_tokens={settings.max_observation_tokens!r} is invalid; "
                              "expected an int >= 1.")
         self._extend = generator._steps.extend
-        self.failures = 0  # environment steps that failed, over the run
+        self.failures, self.last_failure = 0, None  # environment steps that failed in this process
         g = generator
         B, P, T, dev = g.batch_size, g.max_prompt_len, g.max_generated_tokens, g.device
         self.S, W = P + g.cache_tokens, settings.max_observation_tokens + 1
@@ -344,11 +345,16 @@ class TurnRunner:
     def _fail(self, r: int, cause: str, stats: EpisodeStats) -> None:
         stats.failed[r] = True
         self.failures += 1
+        self.last_failure = cause
         _log.warning(f"environment step failed, episode ended (row {r}): {cause}")
+
+    def check_failures(self, failed: float) -> None:
+        """Raises once more than ``max_env_failures`` environment steps failed in one PPO step's
+        episodes (``failed``: over every process, the same on each, so every rank stops)."""
         limit = self.settings.max_env_failures
-        if limit is not None and self.failures > limit:
-            raise RuntimeError(f"{self.failures} environment steps failed, more than turns.max_env_failures="
-                               f"{limit}; the last: {cause}")
+        if limit is not None and failed > limit:
+            raise RuntimeError(f"{int(failed)} environment steps failed in this step's episodes, more than "
+                               f"turns.max_env_failures={limit}; the last here: {self.last_failure}")
 
     def _extend_rows(self, chunks, n_real, decode_mask, col: int, rng):
         """One :func:`extend` call writing each continuing row's chunk (its unfed stop token, then

@@ -164,6 +164,11 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
                        + sum(p.numel() for p in value.output.parameters())) if value_adapted else n_value
     trained = (n_adapters if adapted else n_policy) + (n_value_trained if critic else 0)
     seq_len = (prompt_len or cfg.max_prompt_len or 0) + cfg.max_generated_tokens
+    # multi-turn episodes (env): the cache also holds the gaps of rows waiting for the others
+    episodes = cfg.get("env") is not None
+    extra = ((cfg.turns.get("cache_tokens") or 2 * cfg.max_generated_tokens) - cfg.max_generated_tokens
+             if episodes else 0)
+    cache_len, turns_note = seq_len + extra, ", with the turns' gaps" if episodes else ""
     optimizer_name = str(cfg.optimizer.get("_component_", "")).rsplit(".", 1)[-1]
     states = _OPTIMIZER_STATES.get(optimizer_name, 2.0)
     biggest = max(p.numel() for p in [*policy.parameters(), *(value.parameters() if critic else ())])
@@ -216,8 +221,8 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
         f"{'' if W == 1 else f', 1/{W}'}{'; paged to host memory, not counted' if paged else ''})":
             0.0 if paged else trained * states * state_bytes / W,
         **({f"fp32 master weights (of the {trained / 1e9:.2f}B trained)": trained * 4 / W} if masters else {}),
-        f"KV cache ({cfg.forward_batch_size // W} rows x {seq_len} tokens)":
-            _kv_bytes(policy, cfg.forward_batch_size // W, seq_len, dtype_bytes),
+        f"KV cache ({cfg.forward_batch_size // W} rows x {cache_len} tokens{turns_note})":
+            _kv_bytes(policy, cfg.forward_batch_size // W, cache_len, dtype_bytes),
         f"activations (micro-step {rows_per_step} packed rows x {row_len} tokens)":
             rows_per_step * row_len * layers * per_token_layer * dtype_bytes
             + micro * cfg.max_generated_tokens * vocab * 4 * logit_copies,
@@ -225,8 +230,9 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     block = cfg.get("eval")
     if block is not None and block.get("every_n_steps") is not None:
         eval_rows = block.get("batch_size") or cfg.forward_batch_size // W
+        eval_T = block.get("max_generated_tokens") or cfg.max_generated_tokens
         eval_len = ((eval_prompt_len or cfg.max_prompt_len or prompt_len or 0)
-                    + (block.get("max_generated_tokens") or cfg.max_generated_tokens))
+                    + max(eval_T, (cfg.max_generated_tokens + extra) * eval_T // cfg.max_generated_tokens))
         rows[f"evaluation KV cache (its own, not the rollout's: {eval_rows} rows x {eval_len} tokens)"] = \
             _kv_bytes(policy, eval_rows, eval_len, dtype_bytes)
     if W > 1:
