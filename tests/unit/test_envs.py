@@ -245,7 +245,7 @@ def test_a_template_renders_the_observation_with_the_tiny_tokenizer():
     episode = tok.encode("12+7=", add_bos=True, add_eos=False) + tok.encode("12+7", add_bos=False, add_eos=False)
     episode += [EOS_ID] + renderer.tokens(Calculator(call_pattern=TINY_CALL).step(CONV, "12+7").observation)
     assert tok.decode(episode) == "12+7=12+7=19"
-    with pytest.raises(ValueError, match="set env.observation_template"):
+    with pytest.raises(ValueError, match="set turns.observation_template"):
         ObservationRenderer(tok)  # no chat template
 
 
@@ -276,7 +276,7 @@ class _ChatLike:
 
 
 def test_a_chat_template_that_cannot_render_a_tool_turn_asks_for_a_template():
-    with pytest.raises(ValueError, match="cannot render a 'tool' turn.*alternate.*set env.observation_template"):
+    with pytest.raises(ValueError, match="cannot render a 'tool' turn.*alternate.*set turns.observation_template"):
         ObservationRenderer(_ChatLike())
 
 

@@ -141,11 +141,11 @@ class Calculator:
 
     For the tiny arithmetic task, whose policy writes only digits, ``+``, ``-`` and ``=``, a
     turn that is a bare expression (two numbers or more, no ``=``) is the call and the
-    observation is written back as ``=<value>`` (the rollout's ``env.observation_template``,
+    observation is written back as ``=<value>`` (the rollout's ``turns.observation_template``,
     which replaces the chat template), so that ``12+7`` reads ``12+7=19``::
 
         Calculator(call_pattern=r"^(-?[0-9]+(?:[-+][0-9]+)+)$")
-        env.observation_template: "={observation}"
+        turns.observation_template: "={observation}"
 
     A turn of one number (``19``, ``-7``) has no operator, is no call, and ends the episode as
     the answer.

@@ -11,7 +11,7 @@ from typing import Any, List, Optional, Tuple
 
 __all__ = ["ObservationRenderer"]
 
-TEMPLATE_KEY = "env.observation_template"
+TEMPLATE_KEY = "turns.observation_template"
 # Stand-ins for the contents of the sentinel conversation, found again in the rendered text.
 _SENT_A = "\u2063SENTINEL_ASSISTANT\u2063"
 _SENT_O = "\u2063SENTINEL_OBSERVATION\u2063"
@@ -81,7 +81,7 @@ class ObservationRenderer:
     Args:
         tokenizer (Any): with ``encode(text, add_bos=..., add_eos=...)``; with ``render`` and
             ``stop_tokens`` (or ``eos_id``) when ``template`` is None.
-        template (Optional[str]): the config's ``env.observation_template``. Default: None
+        template (Optional[str]): the config's ``turns.observation_template``. Default: None
         role (str): the observation turn's role in the chat template. Default: ``"tool"``
 
     Attributes:
