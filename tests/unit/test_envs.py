@@ -252,7 +252,7 @@ def test_a_template_renders_the_observation_with_the_tiny_tokenizer():
 @pytest.mark.parametrize("template", ["=", "{observation}{observation}", "{{observation}}", "{observation} {x}",
                                       "{observation} {", 3])
 def test_a_template_without_observation_once_is_refused_by_its_key(template):
-    with pytest.raises(ValueError, match=r"env\.observation_template=.*\{observation\} exactly once"):
+    with pytest.raises(ValueError, match=r"turns\.observation_template=.*\{observation\} exactly once"):
         ObservationRenderer(object(), template=template)
 
 
