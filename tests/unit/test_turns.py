@@ -94,6 +94,32 @@ def test_sampled_logprobs_are_a_plain_forward_over_the_compact_episode(group_siz
         assert (out.logprobs[r, :L][~policy] == 0).all()
 
 
+def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it():
+    """Tokens sampled after a stop string leave the episode and the cache: the episode is still
+    one plain forward's (their columns closed, positions rolled back), and no turn goes on past
+    its first stop string."""
+    run, model = runner(stop_strings=("4",))
+    plain, _ = runner()
+    prompts, lens = batch()
+    out = run.generate(prompts, lens, torch.Generator().manual_seed(0), seeds=[0, 1, 2, 3, 4, 5])
+    cut = 0
+    for r in range(6):
+        L = int(out.episode_lens[r])
+        policy = ~out.observation_masks[r, :L]
+        torch.testing.assert_close(out.logprobs[r, :L][policy], forward_logprobs(model, prompts, lens, out, r)[policy],
+                                   rtol=0, atol=2e-6)
+        for role, text in out.conversations[r].turns:
+            if role == "assistant" and "4" in text:
+                ids = text.split()
+                assert "4" not in " ".join(ids[:-1]) and "4" in ids[-1], (r, text)
+                cut += int(ids[-1]) not in STOPS
+    assert cut >= 2  # turns that a stop string ended before their stop token
+    assert sum(out.stats.tool_calls) >= 2
+    # without stop strings the same draws run on past them
+    other = plain.generate(prompts, lens, torch.Generator().manual_seed(0), seeds=[0, 1, 2, 3, 4, 5])
+    assert not torch.equal(other.query_responses, out.query_responses)
+
+
 def test_the_episode_holds_turns_and_rendered_observations_in_order():
     run, _ = runner()
     prompts, lens = batch()

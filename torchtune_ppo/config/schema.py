@@ -222,6 +222,16 @@ class Device(Kind):
 
 
 @dataclass(frozen=True)
+class Strings(Kind):
+    def words(self) -> str:
+        return "a non-empty list of non-empty strings"
+
+    def accepts(self, value: Any) -> bool:
+        return (isinstance(value, (list, ListConfig)) and len(value) > 0
+                and all(isinstance(x, str) and x != "" for x in value))
+
+
+@dataclass(frozen=True)
 class TokenIds(Kind):
     def words(self) -> str:
         return "a non-empty list of token ids (integers >= 0, e.g. the tokenizer's eos_id)"
@@ -424,6 +434,10 @@ TURNS = Block(
             "leaves a gap while the others write theirs; null: 2 * `max_generated_tokens`"),
         Key("timeout_s", Number(gt=0, optional=True), 10.0,
             "an environment step running longer ends the row's episode (counted, logged); null: no limit"),
+        Key("stop_strings", Strings(optional=True), None,
+            "a turn also ends once its text holds one of these (e.g. a tool call's closing tag `</calc>`): "
+            "its tokens after the one that completes it are dropped, as if never sampled; null: a turn ends at "
+            "a stop token only"),
         Key("max_env_failures", Int(ge=0, optional=True), None,
             "stop the run (after saving the last completed step) when more environment steps than this fail "
             "in one PPO step's episodes, over every process (raised, timed out, returned something else than an "

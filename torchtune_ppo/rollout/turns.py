@@ -66,12 +66,16 @@ class TurnSettings(NamedTuple):
         max_env_failures (Optional[int]): a PPO step whose episodes (over every process) have
             more failed environment steps (raised, timed out, bad return) stops the run
             (:meth:`TurnRunner.check_failures`); None: never, each only ends its episode.
+        stop_strings (Tuple[str, ...]): a turn also ends once its text contains one of these (a
+            tool call's closing tag): its tokens after the one that completes it are dropped, as
+            if never sampled (checked every ``stop_check_every`` decode steps).
     """
 
     max_turns: int = 4
     max_observation_tokens: int = 32
     timeout_s: Optional[float] = 10.0
     max_env_failures: Optional[int] = None
+    stop_strings: Tuple[str, ...] = ()
 
 
 class EpisodeStats(NamedTuple):
@@ -161,6 +165,7 @@ class TurnRunner:
         self._out_logprobs = torch.empty(B, T, dtype=torch.float32, device=dev)
         self._out_obs = torch.empty(B, T, dtype=torch.bool, device=dev)
         self._out_len = torch.empty(B, dtype=torch.long, device=dev)
+        self._out_col = torch.empty(B, T, dtype=torch.long, device=dev)  # the cache column each token was fed at
         # the extend region's inputs, in buffers of fixed shapes
         self._ext_tokens = torch.empty(B, W, dtype=torch.long, device=dev)
         self._ext_pos = torch.empty(B, W, dtype=torch.long, device=dev)
@@ -186,7 +191,8 @@ class TurnRunner:
         renderer = ObservationRenderer(tokenizer, template=t.observation_template)
         settings = TurnSettings(max_turns=t.max_turns, max_observation_tokens=t.max_observation_tokens,
                                 timeout_s=None if t.timeout_s is None else float(t.timeout_s),
-                                max_env_failures=t.max_env_failures)
+                                max_env_failures=t.max_env_failures,
+                                stop_strings=tuple(t.get("stop_strings") or ()))
         return cls(generator, env, renderer, tokenizer, settings)
 
     def _record(self, token: torch.Tensor, logprob: torch.Tensor, write: torch.Tensor) -> None:
@@ -229,6 +235,7 @@ class TurnRunner:
             self._out_logprobs.zero_()
             self._out_obs.zero_()
             self._out_len.zero_()
+            self._out_col.fill_(-1)
             decode_mask = inp.decode_mask[:, 0]  # [B, S]: the columns each row attends, opened as it goes
             n_real = inp.prompt_lens.clone()  # each row's next position
             real_rows = torch.arange(B, device=g.device) < b
@@ -240,10 +247,12 @@ class TurnRunner:
             alive = [True] * b  # the episode goes on after this turn
             turn_start = [0] * b
             for turn in range(s.max_turns):
-                token, pending, col = self._decode_turn(token, pending, generating, n_real, decode_mask, col, rng)
+                self._cut, self._unfed = set(), set()  # rows whose turn a stop string ended
+                token, pending, col = self._decode_turn(token, pending, generating, n_real, decode_mask, col, rng,
+                                                        turn_start, alive)
                 host_len = self._out_len[:b].tolist()
                 host_tokens = self._out_tokens[:b].tolist()
-                host_pending = pending[:b].tolist()
+                host_pending = [p or r in self._unfed for r, p in enumerate(pending[:b].tolist())]
                 chunks = [None] * b  # the tokens each continuing row's extend writes
                 for r in range(b):
                     if not alive[r]:
@@ -251,7 +260,7 @@ class TurnRunner:
                     stats.turns[r] += 1
                     turn_tokens = host_tokens[r][turn_start[r]:host_len[r]]
                     text = self.tokenizer.decode(turn_tokens)
-                    if not turn_tokens or turn_tokens[-1] not in self._stop_set:
+                    if not turn_tokens or (turn_tokens[-1] not in self._stop_set and r not in self._cut):
                         convs[r] = convs[r]._replace(turns=convs[r].turns + (("assistant", text),))
                         alive[r], stats.truncated[r] = False, True  # out of tokens or cache mid-turn
                         continue
@@ -289,7 +298,7 @@ class TurnRunner:
         final_turns = []
         for r, (row, end) in enumerate(zip(final_tokens, lens.tolist())):
             last = row[turn_start[r]:end]
-            final_turns.append(last[:-1] if last and last[-1] in self._stop_set else last)
+            final_turns.append(last[:-1] if last and last[-1] in self._stop_set and r not in self._cut else last)
         responses = self._out_tokens[:b].clone()
         query_responses = torch.cat([prompts.to(g.device, torch.long), responses], dim=1)
         return EpisodeOutput(
@@ -303,7 +312,8 @@ class TurnRunner:
             final_turns=final_turns,
         )
 
-    def _decode_turn(self, token, pending, generating, n_real, decode_mask, col: int, rng):
+    def _decode_turn(self, token, pending, generating, n_real, decode_mask, col: int, rng,
+                     turn_start: List[int], alive: List[bool]):
         """Decode steps until no row is generating (checked every ``stop_check_every`` steps) or
         the cache is full; returns the last token, the rows with an unfed token, the next column."""
         g = self.gen
@@ -311,11 +321,17 @@ class TurnRunner:
         with contextlib.ExitStack() as stack:
             i = 0
             while col < self.S:
-                if i % g.stop_check_every == 0 and not bool(generating.any()):
-                    break
+                if i % g.stop_check_every == 0:
+                    if self.settings.stop_strings and i > 0:
+                        pending, generating = self._stop_at_strings(pending, generating, n_real, decode_mask,
+                                                                    turn_start, alive)
+                    if not bool(generating.any()):
+                        break
                 if i == 2:  # the first steps ran the full guard check; nothing they cover changes
                     stack.enter_context(skip_guard_checks(g._steps.compiled))
                 decode_mask[:, col].copy_(pending)  # the fed token's column, for rows feeding a real one
+                fed = (self._out_len - 1).clamp(min=0)[:, None]
+                self._out_col.scatter_(1, fed, torch.where(pending, col, self._out_col.gather(1, fed)[:, 0])[:, None])
                 inp.decode_pos[:, 0].copy_(n_real)
                 token, logprob, _ = g._decode(g.model, token[:, None], inp.decode_pos, inp.decode_mask,
                                               g.draw_noise(rng), **g.sampling)
@@ -326,7 +342,44 @@ class TurnRunner:
                 pending = write.clone()
                 generating = self._still_generating(token, write)
                 i += 1
+        if self.settings.stop_strings:  # the last steps' tokens
+            pending, generating = self._stop_at_strings(pending, generating, n_real, decode_mask, turn_start, alive)
         return token, pending, col
+
+    def _stop_at_strings(self, pending, generating, n_real, decode_mask, turn_start: List[int], alive: List[bool]):
+        """Ends the turn of each row whose text holds a stop string after the token that completes it
+        (also a turn that went on to its stop token): the later tokens leave the episode and their
+        cache columns close to the row (one sync)."""
+        rows = [r for r, on in enumerate(alive) if on and r not in self._cut]
+        if not rows:
+            return pending, generating
+        lens, tokens = self._out_len.tolist(), self._out_tokens.tolist()
+        cut = {}
+        for r in rows:
+            turn = tokens[r][turn_start[r]:lens[r]]
+            if not any(x in self.tokenizer.decode(turn) for x in self.settings.stop_strings):
+                continue
+            k = next(k for k in range(1, len(turn) + 1)
+                     if any(x in self.tokenizer.decode(turn[:k]) for x in self.settings.stop_strings))
+            cut[r] = turn_start[r] + k  # tokens kept
+        if not cut:
+            return pending, generating
+        pending, generating = pending.clone(), generating.clone()
+        cols = self._out_col.tolist()
+        for r, keep in cut.items():
+            dropped = [c for c in cols[r][keep:lens[r]] if c >= 0]
+            if dropped:
+                decode_mask[r, torch.tensor(dropped, device=decode_mask.device)] = False
+            n_real[r] -= len(dropped)
+            self._out_tokens[r, keep:] = self.gen.pad_id
+            self._out_logprobs[r, keep:] = 0.0
+            self._out_col[r, keep:] = -1
+            self._out_len[r] = keep
+            generating[r] = pending[r] = False
+            self._cut.add(r)
+            if cols[r][keep - 1] < 0:  # its last kept token is not in the cache yet: the extend feeds it
+                self._unfed.add(r)
+        return pending, generating
 
     def _render(self, observation: str) -> Tuple[str, List[int], int]:
         """The observation's tokens, the text cut (from its end) until they fit; 1 if cut."""
