@@ -23,8 +23,8 @@ from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[2] / "torchtune_ppo" / "tasks" / "chat_tools" / "assets"
 SEED, N_TRAIN, N_HELDOUT = 0, 800, 200
-SYSTEM_PROMPT = ("You can use a calculator: write <calc>EXPRESSION</calc> and end your turn; the result comes "
-                 "back in the next message. Give the final answer as a number.")
+SYSTEM_PROMPT = ("You can use a calculator: write the expression between <calc> and </calc>, like <calc>12 * 34</calc>. "
+                 "The result comes back in the next message. Then give the final answer as a number.")
 FILES = ("problems.json", "MANIFEST.json")
 
 
