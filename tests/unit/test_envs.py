@@ -342,7 +342,7 @@ def test_chat_tools_problems_are_hard_arithmetic_with_exact_answers():
     assert 400 <= kinds["*"] <= 600 and 400 <= kinds["+"] <= 600, kinds
     prompts = [r["prompt"] for r in data["train"] + data["heldout"]]
     assert len(set(prompts)) == 1000  # distinct, so held-out is disjoint from train
-    assert "<calc>EXPRESSION</calc>" in build.SYSTEM_PROMPT
+    assert "like <calc>12 * 34</calc>" in build.SYSTEM_PROMPT
 
 
 def test_chat_tools_rebuild_is_the_committed_files(tmp_path):
