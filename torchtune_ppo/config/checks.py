@@ -305,6 +305,10 @@ def _check_algorithms(cfg: DictConfig) -> None:
             f"rollout_correction.mode={cfg.rollout_correction.mode} with compile.rollout=True: the fused region "
             "takes the generator's logprobs as the old ones. Set compile.rollout=False (compile.generate and "
             "compile.trajectory compile the same work) or rollout_correction.mode=null.")
+    if cfg.get("env") is not None and cfg.compile.rollout:
+        raise ValueError("env (multi-turn episodes) with compile.rollout=True: the fused region unrolls one "
+                         "response per prompt. Set compile.rollout=False (compile.generate and compile.trajectory "
+                         "compile the episodes' regions).")
     loss_kl = cfg.loss.get("kl_coeff", 0) if isinstance(cfg.loss, Mapping) else 0
     if loss_kl and cfg.kl_coeff:
         _note(f"the KL to the reference policy is both in the reward (kl_coeff={cfg.kl_coeff}) and in the "

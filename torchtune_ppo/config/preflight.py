@@ -86,6 +86,11 @@ def preflight(cfg: DictConfig, *, world_size: int, log) -> Preflight:
     checkpointing.check_writable(cfg.output_dir)
     tokenizer = tt_config.instantiate(cfg.tokenizer)
     validate_with_tokenizer(cfg, tokenizer)
+    if cfg.get("env") is not None:  # the environment and how its observations become tokens
+        from torchtune_ppo.envs import ObservationRenderer, check_environment
+
+        check_environment(tt_config.instantiate(cfg.env))
+        ObservationRenderer(tokenizer, template=cfg.turns.observation_template)
     dataset = instantiate_dataset(cfg.dataset, tokenizer)
     num_long = validate_dataset(dataset, cfg)
     warn_unknown_tokens(dataset, tokenizer)
