@@ -242,7 +242,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         )
         # rollout_corr/*: over the recomputed batch with rollout_correction, else at the first minibatch
         metrics.update(mismatch_metrics(adv.mismatch or (result and result.mismatch)))
-        metrics.update(self._rollout.episode_metrics)  # turns/*: with an environment
+        metrics.update(getattr(self._rollout, "episode_metrics", {}))  # turns/*: with an environment
         if self._n > 1:
             metrics.update(group_metrics(trajectory.scores, self._n))
         if adapt_kl:  # kl: the global batch's, on every rank
