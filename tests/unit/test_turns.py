@@ -252,3 +252,8 @@ def test_scoring_masks_observations_and_reads_whole_episodes():
         torch.testing.assert_close(traj.scores[r], expected, rtol=0, atol=2e-6)
     assert float(out.env_scores.sum()) >= 0.25 * sum(out.stats.tool_calls) > 0
     assert rollout.episode_metrics["turns/tool_calls"] == sum(out.stats.tool_calls) / 6
+    # the logged samples show whole episodes, observations included
+    from torchtune_ppo.run.watch import sample_rows
+
+    for r, row in enumerate(sample_rows(traj, lens, Ids(), P, n=6)):
+        assert row["response"].split() == [str(t) for t in out.query_responses[r, P:P + int(out.episode_lens[r])].tolist()]

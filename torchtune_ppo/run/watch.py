@@ -32,7 +32,8 @@ PANELS = (
 def sample_rows(
     trajectory: Trajectory, prompt_lens: torch.Tensor, tokenizer: Any, prompt_len: int, n: int
 ) -> List[Dict[str, Any]]:
-    """The first ``n`` rows of a step as text: prompt, response (up to its stop token), score.
+    """The first ``n`` rows of a step as text: prompt, response (up to its stop token; a multi-turn
+    episode whole, its observations included), score.
 
     Args:
         trajectory (Trajectory): the step's scored batch.
@@ -45,7 +46,11 @@ def sample_rows(
         List[Dict[str, Any]]: ``{"prompt", "response", "score"}`` per row.
     """
     rows = trajectory.query_responses[:n].tolist()
-    lens, seq_lens = prompt_lens[:n].tolist(), trajectory.seq_lens[:n].tolist()
+    seq_lens = trajectory.seq_lens[:n]
+    if trajectory.observation_masks is not None:  # an episode: up to its last token, observations included
+        valid = ~trajectory.response_padding_masks[:n]
+        seq_lens = (valid * torch.arange(1, valid.shape[1] + 1, device=valid.device)).amax(-1)
+    lens, seq_lens = prompt_lens[:n].tolist(), seq_lens.tolist()
     scores = trajectory.scores[:n].tolist()
     return [
         {
