@@ -40,9 +40,7 @@ from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rlhf import ScoringSettings, repeat_prompts
 from torchtune_ppo.rlhf.correction import mismatch_metrics
-from torchtune_ppo.rollout import Rollout
-from torchtune_ppo.rollout.generation import Generator
-from torchtune_ppo.rollout.turns import TurnRunner, cache_tokens
+from torchtune_ppo.rollout import Generator, Rollout, TurnRunner, cache_tokens
 from torchtune_ppo.run.guards import SkippedSteps, StepInProgress, on_step_failure
 from torchtune_ppo.run.interrupt import resume_command, stop_on_signals
 from torchtune_ppo.run.metrics import PhaseTimer, metric_logger, step_metrics
@@ -138,21 +136,17 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             group_size=self._group,  # n: a group's prompt computed once in generation and scoring
             dtype=self._dtype, device=self._device, cache_tokens=cache_tokens(cfg),  # more with turns
         )
-        # multi-turn episodes: an environment answers each assistant turn (docs/multi_turn.md)
-        turns = None if cfg.env is None else TurnRunner.from_config(cfg, generator, self._tokenizer)
         reward = (ModelReward(self._models.reward) if self._models.reward is not None
                   else FunctionReward(config.instantiate(cfg.reward), self._tokenizer))
-        settings = ScoringSettings(
-            prompt_len=self._prompt_len, pad_id=self._tokenizer.pad_id, temperature=float(cfg.temperature),
-            penalise_no_eos=cfg.penalise_no_eos, min_response_length=cfg.min_response_length,
-            reward_penalty=float(cfg.reward_penalty),
-        )
+        settings = ScoringSettings(prompt_len=self._prompt_len, pad_id=self._tokenizer.pad_id,
+                                   temperature=float(cfg.temperature), penalise_no_eos=cfg.penalise_no_eos,
+                                   min_response_length=cfg.min_response_length, reward_penalty=float(cfg.reward_penalty))
         stop_token_ids = torch.tensor(list(cfg.stop_token_ids), device=self._device)
         return Rollout(generator, self._models.ref_policy, self._models.value, reward, stop_token_ids, settings,
                        score=regions.score, fused_rollout=regions.fused_rollout,
                        whole_scoring_models=regions.whole_scoring_models, reference=self._models.reference,
                        recompute_logprobs=cfg.rollout_correction.mode is not None,  # TIS / MIS
-                       turns=turns)
+                       turns=TurnRunner.from_config(cfg, generator, self._tokenizer))  # with `env`: episodes
 
     def _setup_update(self, cfg: DictConfig, regions: compiling.Regions) -> PPOUpdate:
         models, rows = self._models.trained, self._rows_per_step
@@ -200,8 +194,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._step.begin()  # what a failure of this step may still save
         with timer("step"):
             # step 1-6: generate the responses and score them
-            trajectory = self._rollout(prompts, prompt_lens, self._rng, timer, references,
-                                       seeds=self._episode_seeds(step, len(prompt_lens)))
+            trajectory = self._rollout(prompts, prompt_lens, self._rng, timer, references, step=step)
             bad_rows = nonfinite_score_rows(trajectory)
             if bad_rows:
                 log.warning(f"step {step}: the reward is not finite in {bad_rows} of "
@@ -216,11 +209,6 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                 result = self._update(trajectory, adv.advantages, adv.returns, timer, step, value_pretrain=pretraining)
         self._samples(trajectory, prompt_lens, step=self._progress.global_step + 1)
         return self._step_metrics(trajectory, adv, result, bad_rows, num_truncated, timer, adapt_kl=not pretraining)
-
-    def _episode_seeds(self, step: int, rows: int) -> List[int]:
-        """An environment's seed for each row of this rank's batch at ``step``: the same on resume."""
-        base = (self.seed * 1_000_003 + step * 1_009) * 4_096 + distributed.rank() * rows
-        return [(base + i) % (2**63) for i in range(rows)]
 
     def _step_metrics(self, trajectory, adv, result, bad_rows: int, num_truncated: int, timer,
                       adapt_kl: bool = True) -> Dict[str, float]:

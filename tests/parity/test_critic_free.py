@@ -29,6 +29,8 @@ def test_scoring_without_a_value_model_leaves_values_zero():
                                   STOP, SETTINGS)
     assert full.values.abs().sum() > 0 and torch.equal(free.values, torch.zeros_like(full.values))
     for name, a, b in zip(full._fields, free, full):
+        if a is None and b is None:  # a field of multi-turn episodes only
+            continue
         if name != "values":
             assert torch.equal(a, b), name
     torch.testing.assert_close(padded.values, free.values, rtol=0, atol=0)

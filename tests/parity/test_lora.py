@@ -118,6 +118,8 @@ def test_rollout_reference_is_the_base_model_exactly():
     a = shared(prompts, lens, torch.Generator().manual_seed(0), timer)
     b = copied(prompts, lens, torch.Generator().manual_seed(0), timer)
     for name, x, y in zip(a._fields, a, b):
+        if x is None and y is None:  # a field of multi-turn episodes only
+            continue
         assert torch.equal(x, y), name
     # not vacuous: generation ran with the adapters on, so policy and reference disagree
     valid = ~a.response_padding_masks

@@ -40,6 +40,8 @@ def test_greedy_rollout_equals_generate_then_score():
         gen.prepare(prompts, lens)
         whole = fused_rollout(gen, gen.draw_noise(None, steps=T), lens, ref, value, reward, STOP, SETTINGS)
     for name, a, b in zip(split._fields, split, whole):
+        if a is None and b is None:  # a field of multi-turn episodes only
+            continue
         if a.is_floating_point():
             torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
         else:
@@ -62,6 +64,8 @@ def test_compiled_rollout_equals_eager():
                 results.append(fn(gen, noise, lens, ref, value, reward, STOP, SETTINGS))
         eager, comp = results
         for name, a, b in zip(eager._fields, eager, comp):
+            if a is None and b is None:  # a field of multi-turn episodes only
+                continue
             if a.is_floating_point():
                 torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
             else:
@@ -105,6 +109,8 @@ def test_function_reward_drives_the_trajectory_as_a_reward_model_would():
                                 lambda qr, masks, pos, last: fixed.clone(), STOP, settings)
     # the function reward is scored packed, the callable padded: equal within float rounding
     for name, a, b in zip(by_model._fields, by_model, by_function):
+        if a is None and b is None:  # a field of multi-turn episodes only
+            continue
         if a.is_floating_point():
             torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
         else:

@@ -73,6 +73,8 @@ def test_reward_on_the_shared_base_is_the_separate_copy_exactly():
     a = _rollout(policy, ref, value, shared)(prompts, lens, torch.Generator().manual_seed(0), TIMER)
     b = _rollout(policy, ref, value, separate)(prompts, lens, torch.Generator().manual_seed(0), TIMER)
     for name, x, y in zip(a._fields, a, b):
+        if x is None and y is None:  # a field of multi-turn episodes only
+            continue
         assert torch.equal(x, y), name
     # not vacuous: with its adapters on and its own head the value model scores otherwise
     tokens = a.query_responses

@@ -117,6 +117,8 @@ def test_compiled_trajectory_equals_eager(models):
     eager = score_trajectory(*args, SETTINGS)
     compiled = maybe_compile(score_trajectory, enabled=True)(*args, SETTINGS)
     for name, e, c in zip(eager._fields, eager, compiled):
+        if e is None and c is None:  # a field of multi-turn episodes only
+            continue
         if e.is_floating_point():
             torch.testing.assert_close(c, e, atol=1e-5, rtol=0, msg=name)
         else:

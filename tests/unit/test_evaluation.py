@@ -371,7 +371,8 @@ def test_every_shipped_config_with_evaluation_validates():
     smollm2 = ["heldout", "ood"]
     assert on == {"135M_lora_ppo_arithmetic.yaml": smollm2, "135M_lora_ppo_arithmetic_mixed.yaml": smollm2,
                   "135M_ppo_arithmetic.yaml": smollm2, "135M_ppo_arithmetic_mixed.yaml": smollm2,
-                  "grpo_tiny_arithmetic.yaml": [None], "ppo_tiny_arithmetic.yaml": [None]}
+                  "grpo_tiny_arithmetic.yaml": [None], "ppo_tiny_arithmetic.yaml": [None],
+                  "135M_ppo_tools.yaml": [None], "ppo_tiny_tools.yaml": [None]}
 
 
 _SEEN = {"_component_": "torchtune_ppo.data.prompt_dataset", "source": "json", "split": "train", "field": "train",

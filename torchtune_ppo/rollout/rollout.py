@@ -131,13 +131,14 @@ class Rollout:
         timer,
         references: Optional[Sequence[Optional[str]]] = None,
         seeds: Optional[Sequence[int]] = None,
+        step: int = 0,
     ) -> Trajectory:
         """Generates and scores ``prompts [b, P]`` of real lengths ``prompt_lens [b]``.
 
         ``timer(phase)`` is a context manager timing each phase ("generate", "reward" for a
         function reward, "score"); the fused region is timed as "generate".
         ``references`` (one per row, or None) go to a function reward, and with ``turns`` to the
-        environment with ``seeds`` (one per row).
+        environment with ``seeds`` (one per row; None: ``turns.episode_seeds(step, rows)``).
         """
         n = self.generator.batch_size
         chunks = list(zip(prompts.split(n), prompt_lens.split(n)))
@@ -151,6 +152,7 @@ class Rollout:
                 if self.turns is None:
                     outputs = [self.generator.generate(p, lens, rng=rng) for p, lens in chunks]
                 else:
+                    seeds = self.turns.episode_seeds(step, len(prompt_lens)) if seeds is None else seeds
                     outputs = self._episodes(chunks, rng, references, seeds)
             scores = [None] * len(outputs)
             if isinstance(self.reward, FunctionReward):

@@ -141,12 +141,14 @@ class TurnRunner:
         renderer (ObservationRenderer): an observation's text to tokens.
         tokenizer: decodes turns and prompts for the environment.
         settings (TurnSettings): the ``turns`` block.
+        seed (int): the run's seed, for :meth:`episode_seeds`.
     The extend step is the generator's (``GenerationSteps.extend``: eager, or compiled with the
     generation regions).
     """
 
     def __init__(self, generator: Generator, env, renderer: ObservationRenderer, tokenizer,
-                 settings: TurnSettings) -> None:
+                 settings: TurnSettings, seed: int = 0) -> None:
+        self.seed = seed
         self.gen, self.env, self.renderer, self.tokenizer = generator, env, renderer, tokenizer
         self.settings = settings
         if not isinstance(settings.max_turns, int) or settings.max_turns < 1:
@@ -178,13 +180,16 @@ class TurnRunner:
         self._t = torch.arange(T, device=dev)
 
     @classmethod
-    def from_config(cls, cfg, generator: Generator, tokenizer, env=None) -> "TurnRunner":
+    def from_config(cls, cfg, generator: Generator, tokenizer, env=None) -> Optional["TurnRunner"]:
         """From the recipe config's ``env`` and ``turns`` blocks (``env``: instantiated here unless
-        given). The generator must have been built with :func:`cache_tokens` columns."""
+        given), or None without ``env``. The generator must have been built with
+        :func:`cache_tokens` columns."""
         from torchtune import config as tt_config
 
         from torchtune_ppo.envs import check_environment
 
+        if cfg.get("env") is None and env is None:
+            return None
         env = tt_config.instantiate(cfg.env) if env is None else env
         check_environment(env)
         t = cfg.turns
@@ -193,7 +198,15 @@ class TurnRunner:
                                 timeout_s=None if t.timeout_s is None else float(t.timeout_s),
                                 max_env_failures=t.max_env_failures,
                                 stop_strings=tuple(t.get("stop_strings") or ()))
-        return cls(generator, env, renderer, tokenizer, settings)
+        return cls(generator, env, renderer, tokenizer, settings, seed=int(cfg.seed))
+
+    def episode_seeds(self, step: int, rows: int) -> List[int]:
+        """The environment's seed of each row of this process's batch at ``step``, from the run's
+        seed: a resumed run gives each step's rows the same ones."""
+        from torchtune_ppo import distributed
+
+        base = (self.seed * 1_000_003 + step * 1_009) * 4_096 + distributed.rank() * rows
+        return [(base + i) % (2**63) for i in range(rows)]
 
     def _record(self, token: torch.Tensor, logprob: torch.Tensor, write: torch.Tensor) -> None:
         """Appends the sampled ``token [B]`` of the rows in ``write [B]`` to their episodes."""
