@@ -32,6 +32,8 @@ metrics; torchtune's, which has none, through a subclass that times its public m
     python benchmarks/ppo/bench_ppo.py --cpu-large --quick  # the same models, two tiny steps
     python benchmarks/ppo/bench_ppo.py --gpu                # CUDA, bf16, Llama-3.2-1B body
     python benchmarks/ppo/bench_ppo.py --smollm2            # CPU, fp32, SmolLM2-135M-Instruct, vocab 49152
+    python benchmarks/ppo/bench_ppo.py --smollm2 --fixed-policy --workload long \
+        --rows tt_compile@fp32,tt_compile@bf16,ours_all@bf16   # fp32 and bf16 rows side by side, T = 128
 
 ``--gpu`` builds random-weight HF checkpoints with the Llama-3.2-1B body (16 layers, dim 2048,
 32/8 heads, MLP 8192) but the tiny tokenizer's vocabulary of 512, since the prompts and token
@@ -95,7 +97,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common
 from bench_common.machine import CpuMeter, headline_verdict, loadavg, machine_info  # noqa: E402
 from ppo_bench.random_model import CPU_LARGE, build_assets, gpu_preset  # noqa: E402
 from ppo_bench.report import hardware, write_report  # noqa: E402
-from ppo_bench.rows import CPU_LARGE_ROWS, DEFAULT_ROWS, GPU_ROWS, QUICK_ROWS, ROWS  # noqa: E402
+from ppo_bench.rows import CPU_LARGE_ROWS, DEFAULT_ROWS, DTYPES, GPU_ROWS, QUICK_ROWS, check_name  # noqa: E402
 from ppo_bench.running import run_rows  # noqa: E402
 from ppo_bench.summary import add_ratios  # noqa: E402
 
@@ -143,7 +145,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="CPU, fp32, SmolLM2-135M-Instruct (real weights, vocab 49152), "
                              "its chat arithmetic prompts, a SmolLM2 reward model with a random head")
     p.add_argument("--device", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="every row's dtype (default fp32, --gpu bf16); a row named <row>@bf16 or "
+                        "<row>@fp32 in --rows runs in that dtype instead")
+    p.add_argument("--workload", choices=("arithmetic", "long"), default="arithmetic",
+                   help="--smollm2: the arithmetic config's short answers (T = 12), or long answers "
+                        "(T = 128: its other phrasings of the questions, no system line and no reply "
+                        "prefix, which SmolLM2 answers at length, each of its own length)")
     p.add_argument("--layers", type=int, default=16, help="layers of the --gpu model (16: Llama-3.2-1B)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall-clock budget for all rows; later rows are skipped (default: 450 with --gpu)")
@@ -161,6 +169,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         # tens of seconds here, so fewer pairs, and the cap is what usually ends the run.
         defaults = dict(max_steps=8, warmup=2, batch_size=16, forward_batch_size=16,
                         ppo_batch_size=8)
+        if args.workload == "long":
+            defaults["max_generated_tokens"] = LONG_TOKENS
     elif args.gpu:
         defaults = dict(max_steps=10, warmup=2, batch_size=32, forward_batch_size=16,
                         ppo_batch_size=16, max_prompt_len=16, max_generated_tokens=64,
@@ -181,11 +191,27 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     else:
         names = list(QUICK_ROWS if args.quick else CPU_LARGE_ROWS if args.cpu_large or args.smollm2
                      else GPU_ROWS if args.gpu else DEFAULT_ROWS)
-    unknown = [n for n in names if n not in ROWS]
-    if unknown:
-        p.error(f"unknown rows {unknown}; valid: {list(ROWS)}")
+    problems = [e for e in map(check_name, names) if e]
+    if problems:
+        p.error("; ".join(problems))
+    if len(set(names)) != len(names):
+        p.error(f"--rows names a row twice: {names}")
+    if args.workload != "arithmetic" and not args.smollm2:
+        p.error("--workload is a --smollm2 option")
     args.row_names = names
     return args
+
+
+LONG_TOKENS = 128
+# --workload long: the questions asked otherwise (variants.json's ood split), with neither the
+# config's system line ("Answer with the number only.") nor its reply prefix: SmolLM2 then
+# explains before it answers, in replies of widely varying length, some past T.
+LONG_DATASET = [
+    "dataset.data_files=${ppo_asset:chat_arithmetic/variants.json}",
+    "dataset.field=ood",
+    "dataset.system_prompt=null",
+    "dataset.response_prefix=null",
+]
 
 
 def smollm2_assets() -> "tuple[List[str], str]":
@@ -218,7 +244,9 @@ def smollm2_assets() -> "tuple[List[str], str]":
 def setup_block(args: argparse.Namespace, ours: Dict[str, Any], model: str) -> Dict[str, Any]:
     """What every row shared, for the report's header."""
     return {
-        "model": model, "device": args.device, "dtype": args.dtype,
+        "model": model, "device": args.device,
+        # rows named <row>@<dtype> run in their own dtype
+        "dtype": args.dtype if all("@" not in n for n in args.row_names) else f"{args.dtype} unless a row says",
         "batch_size": args.batch_size, "forward_batch_size": args.forward_batch_size,
         "ppo_batch_size": args.ppo_batch_size, "ppo_epochs": args.ppo_epochs,
         "max_prompt_len": ours["max_prompt_len"], "max_generated_tokens": ours["max_generated_tokens"],
@@ -249,6 +277,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         model, models = preset.describe(), (policy, reward)
     elif args.smollm2:
         extra, model = smollm2_assets()
+        if args.workload == "long":
+            extra += LONG_DATASET
+            model += (f"; long answers: variants.json's ood questions, no system line or reply prefix, "
+                      f"T = {args.max_generated_tokens}")
         args.set = extra + list(args.set)
     if args.fixed_policy:
         args.set = list(args.set) + ["optimizer.lr=1e-30"]

@@ -21,6 +21,7 @@ from torch import nn
 from torchtune import config, modules, training, utils
 
 from torchtune_ppo import checkpointing, distributed, lora
+from torchtune_ppo._patches.torchtune_modules import use_fp32_attention
 from torchtune_ppo.config import shares_reward_value_base
 from torchtune_ppo.rlhf import uses_value_model
 
@@ -126,6 +127,8 @@ class _Builder:
             fp32_output(model)
         # Dropout would make the trajectory's logprobs disagree with the loss step's.
         training.disable_dropout(model)
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu":
+            use_fp32_attention(model)  # CPU's bf16 flash-attention backward is slow (_patches)
         if trainable and cfg.enable_activation_checkpointing:
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
         if not trainable:

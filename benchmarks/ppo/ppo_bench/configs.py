@@ -2,16 +2,17 @@
 
 import argparse
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 
-def ours_config(args: argparse.Namespace, output_dir: Path) -> Dict[str, Any]:
+def ours_config(args: argparse.Namespace, output_dir: Path, dtype: Optional[str] = None) -> Dict[str, Any]:
     """Our recipe's config for the benchmark, resolved to plain values.
 
     Args:
         args (argparse.Namespace): the parsed command line (config, ``--set`` overrides,
             sizes, device, dtype).
         output_dir (Path): where the row may write (logs, the final checkpoint).
+        dtype (Optional[str]): the row's own dtype (``<row>@bf16``); None: ``args.dtype``.
 
     Returns:
         Dict[str, Any]: the config with ``compile: False``; a row replaces the block.
@@ -34,7 +35,7 @@ def ours_config(args: argparse.Namespace, output_dir: Path) -> Dict[str, Any]:
         "ppo_epochs": args.ppo_epochs,
         "gradient_accumulation_steps": 1,
         "device": args.device,
-        "dtype": args.dtype,
+        "dtype": dtype or args.dtype,
         "seed": 0,
         # torchtune's recipe clips nothing: both do the same optimizer work.
         "clip_grad_norm": None,

@@ -16,7 +16,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,34 @@ QUICK_ROWS = ("tt_eager", "ours_eager")
 CPU_LARGE_ROWS = tuple(name for name in ROWS if name != "ours_rollout" and not name.endswith("_shared"))
 # The default rows: the _shared ones only differ on a config with num_samples_per_prompt > 1 (--rows).
 DEFAULT_ROWS = tuple(name for name in ROWS if not name.endswith("_shared"))
+
+
+# A row name may carry a dtype, ``<row>@fp32`` or ``<row>@bf16``: the same row in that dtype
+# (``--dtype`` for rows without one), so one run can set fp32 and bf16 rows side by side.
+DTYPES = ("fp32", "bf16")
+
+
+def split_name(name: str) -> Tuple[str, Optional[str]]:
+    """``"tt_kv@bf16"`` -> ``("tt_kv", "bf16")``; ``"tt_kv"`` -> ``("tt_kv", None)``."""
+    base, _, dtype = name.partition("@")
+    return base, dtype or None
+
+
+def check_name(name: str) -> Optional[str]:
+    """What is wrong with a ``--rows`` name, or None."""
+    base, dtype = split_name(name)
+    if base not in ROWS:
+        return f"unknown row {base!r}; valid: {list(ROWS)}"
+    if dtype is not None and dtype not in DTYPES:
+        return f"unknown dtype {dtype!r} in {name!r}; valid: {list(DTYPES)} (e.g. {base}@bf16)"
+    return None
+
+
+def row_of(name: str) -> Row:
+    """The row a (possibly dtype-suffixed) name runs, its label naming the dtype when given."""
+    base, dtype = split_name(name)
+    row = ROWS[base]
+    return row if dtype is None else Row(f"{row.label}, {dtype}", row.recipe, row.overrides)
 
 
 # --gpu: every row of a run stays in memory while the rows take turns (four 1B-body models and

@@ -13,7 +13,7 @@ from bench_common.interleave import InterleavedRun, RowFailed, run_interleaved
 from bench_common.protocol import WorkerRow
 
 from .configs import ours_config, torchtune_config
-from .rows import ROWS
+from .rows import row_of, split_name
 from .summary import summarize
 
 BENCH_DIR = Path(__file__).resolve().parents[1]  # benchmarks/ppo: ppo_bench
@@ -30,7 +30,8 @@ def make_worker(name: str, spec_path: Path, work: Path, logs: Path,
     """The row's worker process, with its own empty inductor cache (its compile is a cold start)."""
     cmd = [sys.executable, "-m", "ppo_bench.rows", "--spec", str(spec_path)]
     pythonpath = os.pathsep.join(p for p in (str(BENCH_DIR), str(BENCHMARKS), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONPATH=pythonpath, TORCHINDUCTOR_CACHE_DIR=str(work / "inductor" / name))
+    env = dict(os.environ, PYTHONPATH=pythonpath,
+               TORCHINDUCTOR_CACHE_DIR=str(work / "inductor" / name.replace("@", "_")))
     return WorkerRow(name, [(cmd, env)], logs, limit_s=limit_s)
 
 
@@ -42,7 +43,7 @@ def fastest_torchtune(steps: Dict[str, List[Dict[str, Any]]], warmup: int) -> st
                     if s["round"] >= warmup and not s.get("warmup")] or [float("inf")]
         return statistics.median(measured)
 
-    torchtune_rows = [n for n in steps if ROWS[n].recipe == "torchtune"]
+    torchtune_rows = [n for n in steps if row_of(n).recipe == "torchtune"]
     return min(torchtune_rows, key=median) if torchtune_rows else next(iter(steps))
 
 
@@ -65,13 +66,13 @@ def run_rows(args: argparse.Namespace, work: Path, models: Optional[Tuple[dict, 
     start, results, workers = time.perf_counter(), {}, {}
     ours = None
     # Every worker starts at once (set-up is not timed); then each is waited for in turn.
-    for name in sorted(args.row_names, key=RUN_ORDER.index):
-        row = ROWS[name]
-        ours = ours_config(args, work / name)
+    for name in sorted(args.row_names, key=lambda n: RUN_ORDER.index(split_name(n)[0])):
+        row = row_of(name)
+        ours = ours_config(args, work / name.replace("@", "_"), dtype=split_name(name)[1])
         if models:
             ours["policy_model"], ours["reward_and_value_model"] = models
         cfg = ours if row.recipe == "ours" else torchtune_config(ours, args)
-        spec_path = work / f"{name}.spec.json"
+        spec_path = work / f"{name.replace('@', '_')}.spec.json"
         spec_path.write_text(json.dumps({"recipe": row.recipe, "threads": args.threads,
                                          "cfg": {**cfg, **row.overrides}}))
         workers[name] = make_worker(name, spec_path, work, args.out / "logs", args.row_timeout_s)
@@ -110,7 +111,7 @@ def run_rows(args: argparse.Namespace, work: Path, models: Optional[Tuple[dict, 
         results[name] = {"status": "ok", "steps": run.steps[name], **done}
     rows = []
     for name in args.row_names:
-        r = summarize(name, ROWS[name].label, results[name], warmup=run.warmup,
+        r = summarize(name, row_of(name).label, results[name], warmup=run.warmup,
                       batch_size=args.batch_size, gen_tokens=ours["max_generated_tokens"],
                       ppo_epochs=args.ppo_epochs)
         print(f"    {name}: {r['status']}" + (f": {r['step_s']:.3f} s/step, whole run {r['whole_run_s']:.1f} s"

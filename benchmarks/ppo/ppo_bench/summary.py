@@ -8,8 +8,9 @@ from bench_common.stats import pair_ratios, summarize_ratios
 # The phases a step is split into; "other" is the step time the others leave.
 PHASES = ("generate", "score", "advantages", "loss_step", "optimizer", "other")
 TIMED_PHASES = PHASES[:-1]
-# What the ratio tables compare, per pair of steps: the whole step, then each timed phase.
-RATIO_KEYS = ("step_s",) + TIMED_PHASES
+# What the ratio tables compare, per pair of steps: the whole step, each timed phase, and the
+# trajectory (generate + score: the RFC's steps 1-6).
+RATIO_KEYS = ("step_s",) + TIMED_PHASES + ("trajectory",)
 
 
 def summarize(name: str, label: str, result: Dict[str, Any], *, warmup: int, batch_size: int,
@@ -38,6 +39,7 @@ def summarize(name: str, label: str, result: Dict[str, Any], *, warmup: int, bat
     steps = result["steps"]
     for step in steps:
         step["other"] = step["step_s"] - sum(step[p] for p in TIMED_PHASES)
+        step["trajectory"] = step["generate"] + step["score"]
         positions = batch_size * (step["prompt_len"] + gen_tokens)
         step["trajectory_tok_s"] = positions / (step["generate"] + step["score"])
         step["ppo_tok_s"] = ppo_epochs * positions / (step["loss_step"] + step["optimizer"])
@@ -83,8 +85,8 @@ def _max_or_none(values: List[Optional[float]]) -> Optional[float]:
 
 
 def add_ratios(rows: List[Dict[str, Any]], warmup: int) -> Optional[str]:
-    """Adds each row's per-pair ratios against row 1 (``tt_eager``, else the first row) and the
-    fastest torchtune row.
+    """Adds each row's per-pair ratios against row 1 (the first ``tt_eager`` row in any dtype,
+    else the first row) and the fastest torchtune row.
 
     For every key of ``RATIO_KEYS``: the summary of ``reference / row`` over the measured
     rounds both ran (``bench_common.stats.summarize_ratios``: median, 95% interval, min-max),
@@ -101,7 +103,7 @@ def add_ratios(rows: List[Dict[str, Any]], warmup: int) -> Optional[str]:
     """
     ok = [r for r in rows if r["status"] == "ok"]
     # without tt_eager (e.g. --rows ours_eager,ours_eager_shared) row 1 is the first row run
-    first = next((r for r in ok if r["name"] == "tt_eager"), ok[0] if ok else None)
+    first = next((r for r in ok if r["name"].partition("@")[0] == "tt_eager"), ok[0] if ok else None)
     torchtune_rows = [r for r in ok if r["name"].startswith("tt_")]
     fastest = min(torchtune_rows, key=lambda r: r["step_s"]) if torchtune_rows else None
     for r in ok:
