@@ -152,7 +152,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         models, rows = self._models.trained, self._rows_per_step
         params = [p for m in models.values() for p in m.parameters() if p.requires_grad]  # LoRA: adapters only
         # bf16: the optimizer steps fp32 copies of the weights, rounded into them after each step
-        self._master = MasterWeights(params) if cfg.dtype == "bf16" and cfg.master_weights else None
+        self._master = MasterWeights(params, regions.master_step) if cfg.dtype == "bf16" and cfg.master_weights else None
         optimizer = (InBackwardOptimizer(cfg.optimizer, models) if cfg.optimizer_in_bwd else
                      build_optimizer(cfg.optimizer, params if self._master is None else self._master.masters))
         lr_scheduler = None

@@ -33,6 +33,7 @@ from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.rollout.fused import fused_rollout
 from torchtune_ppo.rollout.generation import GenerationSteps, extend, generate_next_token, prefill, prefill_group
 from torchtune_ppo.rollout.scoring import packed_score_trajectory
+from torchtune_ppo.run.optim import adam_master_step
 
 F = TypeVar("F", bound=Callable)
 
@@ -63,12 +64,14 @@ def compile_backend() -> Optional[str]:
 
 
 def maybe_compile(
-    fn: F, *, enabled: bool, mode: str = "default", fullgraph: bool = True
+    fn: F, *, enabled: bool, mode: str = "default", fullgraph: bool = True, dynamic: bool = False
 ) -> F:
-    """``torch.compile(fn)`` with static shapes when ``enabled``, else ``fn`` itself (the eager twin)."""
+    """``torch.compile(fn)`` with static shapes when ``enabled`` (``dynamic``: symbolic sizes,
+    for an elementwise region called on tensors of many shapes), else ``fn`` itself (the eager
+    twin)."""
     if not enabled:
         return fn
-    kwargs = {"fullgraph": fullgraph, "dynamic": False}
+    kwargs = {"fullgraph": fullgraph, "dynamic": dynamic}
     backend = compile_backend()
     if backend is not None:
         kwargs["backend"] = backend  # modes are inductor's: a test backend runs without one
@@ -93,6 +96,10 @@ class Regions(NamedTuple):
             and the frames between them would specialise any dynamic size.
         whole_scoring_models (bool): the scoring runs as one graph, which cannot cross FSDP's
             hooks: sharded scoring models are gathered whole around it.
+        master_step (Optional[Callable]): with ``compile.optimizer``, bf16 master weights' Adam
+            step of one parameter in one pass (:func:`~torchtune_ppo.run.optim.adam_master_step`),
+            compiled with symbolic sizes (one graph for every parameter shape); None: the
+            eager optimizer path.
     """
 
     generation: GenerationSteps
@@ -101,6 +108,7 @@ class Regions(NamedTuple):
     loss_step: Callable
     loss_step_fixed_shapes: bool
     whole_scoring_models: bool
+    master_step: Optional[Callable] = None
 
 
 def regions(compile_cfg: Any, *, world_size: int = 1, device: Optional[torch.device] = None) -> Regions:
@@ -108,7 +116,7 @@ def regions(compile_cfg: Any, *, world_size: int = 1, device: Optional[torch.dev
 
     Args:
         compile_cfg (CompileConfig): ``generate``, ``trajectory``, ``loss_step``, ``rollout``,
-            ``mode`` (:func:`torchtune_ppo.config.parse_compile`).
+            ``optimizer``, ``mode`` (:func:`torchtune_ppo.config.parse_compile`).
         world_size (int): processes of the run. Under FSDP (> 1) the loss step compiles with
             ``fullgraph=False``: its forward and backward need FSDP2's hooks, which dynamo
             cannot trace, so the graph breaks at each sharded module; its micro-steps then have
@@ -132,6 +140,8 @@ def regions(compile_cfg: Any, *, world_size: int = 1, device: Optional[torch.dev
                                 fullgraph=world_size == 1),
         loss_step_fixed_shapes=world_size > 1,
         whole_scoring_models=compile_cfg.trajectory or fused,
+        master_step=maybe_compile(adam_master_step, enabled=True, dynamic=True)
+        if getattr(compile_cfg, "optimizer", False) else None,
     )
 
 

@@ -56,7 +56,7 @@ def test_shipped_config_is_valid():
         ({"temperature": 0}, r"temperature must be a number > 0"),
         ({"top_p": 1.5}, r"top_p must be null or a number in \(0, 1\]"),
         ({"long_prompts": "drop"}, r"long_prompts must be one of \['truncate', 'error'\]"),
-        ({"compile.generate": True, "compile.decode": True}, r"compile: unknown key\(s\) \['decode'\]; valid keys are \['generate', 'trajectory', 'loss_step', 'rollout', 'mode'\]"),
+        ({"compile.generate": True, "compile.decode": True}, r"compile: unknown key\(s\) \['decode'\]; valid keys are \['generate', 'trajectory', 'loss_step', 'rollout', 'optimizer', 'mode'\]"),
         ({"btach_size": 4}, r"unknown config key\(s\) \['btach_size'\]"),
     ],
 )
@@ -83,10 +83,15 @@ def test_missing_required_key():
 
 
 def test_compile_bare_bool_and_mapping():
-    assert parse_compile(True) == CompileConfig(True, True, True)
+    assert parse_compile(True) == CompileConfig(True, True, True, optimizer=True)
     assert parse_compile(False) == CompileConfig(False, False, False)
     full = dict(generate=False, trajectory=False, loss_step=True, rollout=False)
-    assert parse_compile(full) == CompileConfig(False, False, True)
+    # the optimizer step, when not named, follows the loss step
+    assert parse_compile(full) == CompileConfig(False, False, True, optimizer=True)
+    assert parse_compile({**full, "optimizer": False}) == CompileConfig(False, False, True)
+    assert parse_compile({**full, "loss_step": False, "optimizer": True}).optimizer
+    with pytest.raises(ValueError, match=r"compile.optimizer must be true or false"):
+        parse_compile({**full, "optimizer": "on"})
     assert parse_compile({**full, "mode": "reduce-overhead"}).mode == "reduce-overhead"
     with pytest.raises(ValueError, match=r"compile.mode must be one of"):
         parse_compile({**full, "mode": "fast"})

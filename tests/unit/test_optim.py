@@ -111,3 +111,110 @@ def test_master_weights_restore_exactly_and_refuse_other_shapes():
     assert torch.equal(fresh.masters[0], master.masters[0]) and torch.equal(fresh_param, param)
     with pytest.raises(ValueError, match="fp32 master weights"):
         MasterWeights([torch.nn.Parameter(torch.zeros(5, 3, dtype=torch.bfloat16))]).load_state_dict(state)
+
+
+# ----- one pass a parameter: adam_master_step (compile.optimizer) -----
+
+def _bf16_params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (5,), (1, 5), (33,)]  # matrices, norms, a value head, an odd length
+    return [torch.nn.Parameter((0.1 * torch.randn(s, generator=g)).to(torch.bfloat16)) for s in shapes]
+
+
+def _grads(params, step: int, scale: float = 1.0):
+    g = torch.Generator().manual_seed(100 + step)
+    for i, p in enumerate(params):
+        # the second parameter gets no gradient at step 2: skipped, its state not counted
+        p.grad = None if (i == 1 and step == 2) else (scale * torch.randn(p.shape, generator=g)).to(torch.bfloat16)
+
+
+def _run(params, master, optimizer, fused: bool, *, max_norm: float, steps: int, lrs):
+    norms = []
+    for step in range(1, steps + 1):
+        _grads(params, step, scale=3.0 if step == 1 else 0.01)  # step 1 clipped, later ones not
+        for group in optimizer.param_groups:
+            group["lr"] = lrs[step - 1]  # a schedule, set as a scheduler sets it
+        if fused:
+            norm = master.grad_norm()
+            master.fused_step(optimizer, norm, max_norm)
+        else:
+            master.take_grads()
+            norm = torch.nn.utils.clip_grad_norm_(master.masters, max_norm=max_norm)
+            optimizer.step()
+            master.write_back()
+        optimizer.zero_grad(set_to_none=True)
+        master.zero_grad()
+        norms.append(float(norm))
+    return norms
+
+
+@pytest.mark.parametrize("kind,weight_decay", [("AdamW", 0.01), ("AdamW", 0.0), ("Adam", 0.01)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_one_pass_master_step_equals_clip_then_torch_adam_then_rounding(kind, weight_decay, compiled):
+    """The fused step (eager, and compiled by inductor with symbolic sizes as compile.optimizer
+    compiles it) against the four passes: clip_grad_norm_ over fp32 gradients, torch's Adam/AdamW,
+    rounding into bf16. The same fp32 arithmetic in another order: masters and moments within
+    1e-6 relative (a wrong bias correction, clip or decay moves them by 1e-3 or more), every
+    bf16 weight equal or one rounding step apart."""
+    from torchtune_ppo.compile import maybe_compile
+    from torchtune_ppo.run.optim import adam_master_step
+
+    lrs = [1e-3, 5e-4, 2e-4, 1e-4]
+    step_fn = maybe_compile(adam_master_step, enabled=compiled, dynamic=True)
+    results = []
+    for fused in (False, True):
+        params = _bf16_params()
+        master = MasterWeights(params, step_fn if fused else None)
+        optimizer = getattr(torch.optim, kind)(master.masters, lr=lrs[0], betas=(0.9, 0.95), eps=1e-8,
+                                               weight_decay=weight_decay)
+        assert master.fuses(optimizer) == fused
+        norms = _run(params, master, optimizer, fused, max_norm=1.0, steps=4, lrs=lrs)
+        results.append((params, master, optimizer, norms))
+    (p_ref, m_ref, o_ref, n_ref), (p_new, m_new, o_new, n_new) = results
+    assert n_new == pytest.approx(n_ref, rel=1e-6) and n_ref[0] > 1.0 > n_ref[1]  # step 1 was clipped
+    for a, b in zip(m_ref.masters, m_new.masters):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-9)
+    for a, b in zip(o_ref.state.values(), o_new.state.values()):
+        assert float(a["step"]) == float(b["step"]) and b["step"].dtype == torch.float32
+        # atol: 1e-6 of the moments' scale (~1e-3, ~1e-5), where Adam's decay cancels a gradient
+        torch.testing.assert_close(b["exp_avg"], a["exp_avg"], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(b["exp_avg_sq"], a["exp_avg_sq"], rtol=1e-6, atol=1e-11)
+    assert [float(s["step"]) for s in o_new.state.values()] == [4.0, 3.0, 4.0, 4.0]
+    for a, b in zip(p_ref, p_new):
+        assert b.dtype == torch.bfloat16
+        # a master within rounding of a bf16 midpoint may round either way: at most one spacing
+        spacing = torch.finfo(torch.bfloat16).eps * a.float().abs().clamp(min=1e-30)
+        assert ((a.float() - b.float()).abs() <= spacing).all()
+    # the state is torch's layout: the fused run's optimizer state loads into the four-pass path
+    o_ref.load_state_dict(copy.deepcopy(o_new.state_dict()))
+
+
+def test_a_wrong_bias_correction_would_be_caught():
+    """The tolerance above can fail: a fused step without Adam's bias correction (a plausible
+    slip) moves a master far more than 1e-6 relative after one step."""
+    from torchtune_ppo.run.optim import adam_master_step
+
+    params = _bf16_params()
+    master = MasterWeights(params, adam_master_step)
+    optimizer = torch.optim.AdamW(master.masters, lr=1e-3, weight_decay=0.0)
+    start = [m.clone() for m in master.masters]
+    _grads(params, 1, scale=0.01)
+    master.fused_step(optimizer, master.grad_norm(), float("inf"))
+    # Adam's first step moves each weight by lr * sign(g) (bias-corrected); without the
+    # correction it would move by lr * (1 - beta1) / sqrt(1 - beta2) = 3.2 lr
+    moved = (master.masters[0] - start[0]).abs() / 1e-3
+    torch.testing.assert_close(moved, torch.ones_like(moved), rtol=1e-2, atol=1e-2)  # eps: |g| >> 1e-8
+
+
+@pytest.mark.parametrize("settings,why", [
+    (dict(amsgrad=True), "amsgrad"),
+    (dict(maximize=True), "maximize"),
+])
+def test_optimizers_the_one_pass_step_cannot_take_keep_the_four_passes(settings, why):
+    from torchtune_ppo.run.optim import adam_master_step, fusable
+
+    params = _bf16_params()
+    master = MasterWeights(params, adam_master_step)
+    optimizer = torch.optim.AdamW(master.masters, lr=1e-3, **settings)
+    assert why in fusable(optimizer) and not master.fuses(optimizer)
+    assert "not torch.optim.Adam or AdamW" in fusable(torch.optim.SGD(master.masters, lr=1e-3))

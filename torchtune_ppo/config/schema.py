@@ -18,7 +18,8 @@ from torchtune_ppo.rlhf import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS
 from torchtune_ppo.rlhf.correction import CORRECTION_LEVELS, CORRECTION_MODES
 
 COMPILE_REGIONS = ("generate", "trajectory", "loss_step", "rollout")
-COMPILE_KEYS = (*COMPILE_REGIONS, "mode")
+# Optional in a compile mapping: the optimizer step follows compile.loss_step unless named.
+COMPILE_KEYS = (*COMPILE_REGIONS, "optimizer", "mode")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DEVICES = ("cpu", "cuda", "mps", "xpu", "npu")
 
@@ -623,8 +624,10 @@ SCHEMA: Tuple[Key, ...] = (
         "PPO loss: the plain keys below, or torchtune's `PPOLoss` `_component_` block (which keeps "
         "its own defaults)"),
     Key("compile", CompileBlock(), False,
-        "`true`/`false`, or `{generate, trajectory, loss_step, rollout, mode}`; see "
-        "[Compiling](compiling.md). `mode` is the `torch.compile` mode of the generation regions "
+        "`true`/`false`, or `{generate, trajectory, loss_step, rollout, optimizer, mode}`; see "
+        "[Compiling](compiling.md). `optimizer` (default: as `loss_step`) makes each bf16 master "
+        "weight's Adam/AdamW step one compiled pass (fp32 runs already step in one fused kernel). "
+        "`mode` is the `torch.compile` mode of the generation regions "
         "(`reduce-overhead`: CUDA graphs for the decode step); the other regions use the default mode"),
     Key("compile_cache", BoolOrPath(), True,
         "with any region compiled: after the first step the regions' inductor and AOTAutograd "
@@ -750,6 +753,8 @@ class CompileConfig:
     # Steps 1-6 as one region (unrolled generation + scoring); replaces generate/trajectory.
     rollout: bool = False
     mode: str = "default"
+    # bf16 master weights: each parameter's Adam/AdamW step, clip and rounding as one compiled pass.
+    optimizer: bool = False
 
 
 COMPILE_MODE = Choice(options=COMPILE_MODES)
@@ -772,7 +777,8 @@ def parse_compile(value: Any) -> CompileConfig:
     """Read the ``compile`` setting.
 
     ``compile: true|false`` sets every region (``rollout`` stays off: it replaces
-    ``generate`` + ``trajectory``). A mapping must name every region; only ``mode`` is optional.
+    ``generate`` + ``trajectory``). A mapping must name every region; only ``mode`` and
+    ``optimizer`` (which follows ``loss_step`` when left out) are optional.
     A partial mapping is refused because it is what OmegaConf makes of
     ``compile=True compile.generate=False`` on the command line: the bool is dropped, so the
     regions left out could mean either on or off.
@@ -787,7 +793,7 @@ def parse_compile(value: Any) -> CompileConfig:
         ValueError: on an unknown key, a missing region, a non-bool region or a bad mode.
     """
     if isinstance(value, bool):
-        return CompileConfig(value, value, value)
+        return CompileConfig(value, value, value, optimizer=value)
     if not isinstance(value, (dict, DictConfig)):
         raise ValueError(f"compile must be {KEYS['compile'].kind.valid}, got {_show(value)}.")
     block = OmegaConf.to_container(value) if isinstance(value, DictConfig) else dict(value)
@@ -797,7 +803,7 @@ def parse_compile(value: Any) -> CompileConfig:
             f"compile: unknown key(s) {unknown}; valid keys are {list(COMPILE_KEYS)}, "
             "or write a bare `compile: true|false` to set all regions."
         )
-    for key in COMPILE_REGIONS:
+    for key in (*COMPILE_REGIONS, "optimizer"):
         if key in block:
             Bool().check(f"compile.{key}", block[key])
     missing = [k for k in COMPILE_REGIONS if k not in block]
@@ -814,7 +820,8 @@ def parse_compile(value: Any) -> CompileConfig:
         )
     mode = block.get("mode", "default")
     check_compile_mode(mode)
-    return CompileConfig(**{k: block[k] for k in COMPILE_REGIONS}, mode=mode)
+    return CompileConfig(**{k: block[k] for k in COMPILE_REGIONS}, mode=mode,
+                         optimizer=block.get("optimizer", block["loss_step"]))
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ clipping, the optimizer and LR scheduler steps, and every reduction across ranks
 process each reduction is the identity.
 """
 
+import warnings
 from itertools import chain
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -166,6 +167,8 @@ class PPOUpdate:
         self.critic_warmup_steps = critic_warmup_steps
         self._fixed_shapes = fixed_shapes
         self._master = master_weights
+        if master_weights is not None and master_weights.fuses(optimizer):
+            log.info("bf16 master weights: each parameter's optimizer step is one compiled pass (compile.optimizer).")
         self._packed_tokens = PackedTokens()
         self.group_size = group_size
         self._share = group_size > 1 and share_prompts
@@ -293,6 +296,8 @@ class PPOUpdate:
         if value_pretrain or step <= self.critic_warmup_steps:  # torch optimizers skip a parameter whose grad is None
             for p in self.policy_model.parameters():
                 p.grad = None
+        if self._master is not None and self._master.fuses(self.optimizer):
+            return self._fused_master_step(loss, step, value_pretrain)
         if self._master is not None:  # bf16 gradients to the fp32 masters, which are clipped and stepped
             self._master.take_grads()
             params = self._master.masters
@@ -311,6 +316,19 @@ class PPOUpdate:
         self.optimizer.zero_grad(set_to_none=True)
         if self._master is not None:
             self._master.zero_grad()
+        return applied
+
+    def _fused_master_step(self, loss: torch.Tensor, step: int, value_pretrain: bool) -> bool:
+        """:meth:`_optimizer_step` for bf16 masters stepped in one pass a parameter (compile.optimizer)."""
+        grad_norm = self._master.grad_norm()
+        applied = self._finite(loss, grad_norm, step)
+        if applied:
+            self._master.fused_step(self.optimizer, grad_norm, self._max_norm)
+            if self.lr_scheduler is not None and not value_pretrain:
+                with warnings.catch_warnings():  # the optimizer's state was stepped without optimizer.step()
+                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                    self.lr_scheduler.step()
+        self._master.zero_grad()
         return applied
 
     @staticmethod

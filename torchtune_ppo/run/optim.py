@@ -7,7 +7,8 @@ leaves ``fused``/``foreach`` unset and the device has it.
 :class:`InBackwardOptimizer` (``optimizer_in_bwd``): optimizer steps fused into backward.
 
 :class:`MasterWeights` (``dtype: bf16`` with ``master_weights``): the optimizer steps fp32 copies
-of the bf16 trained weights.
+of the bf16 trained weights; with ``compile.optimizer`` an Adam or AdamW step of each parameter is
+one compiled pass (:func:`adam_master_step`) instead of four.
 
 One optimizer per parameter, stepped by a post-accumulate-grad hook the moment its gradient
 is ready, then its gradient freed: a full set of gradients never exists at once (how
@@ -15,7 +16,7 @@ torchtune fits a 7B policy and value model on one GPU). torchtune's hooks and it
 wrapper do the work; this class gives the recipe one object with an optimizer's surface.
 """
 
-from typing import Any, Dict, Iterable, Mapping
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -90,6 +91,64 @@ class InBackwardOptimizer:
             wrapper.load_state_dict(state[name])
 
 
+def adam_master_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    hyper: torch.Tensor,
+    *,
+    decoupled: bool,
+) -> None:
+    """One Adam (``decoupled=False``) or AdamW step of an fp32 ``master`` from the bf16 ``grad``
+    of its bf16 ``param``, rounded into ``param``; everything in place, as torch's single-tensor
+    ``adam``/``adamw`` computes it (no amsgrad, no maximize).
+
+    Compiled, it is one pass over the parameter (read: the bf16 gradient, the master, both
+    moments; written: the master, both moments, the bf16 weight: 28 bytes a parameter), where
+    the eager path makes four (the gradient to fp32, the clip, the fused AdamW step, the
+    rounding back: 48). ``hyper`` is an fp32 tensor ``[lr, beta1, beta2, eps, weight_decay,
+    step, clip_coef]`` (``step`` already counted for this step; ``clip_coef`` the norm clip's
+    ``min(1, max_norm / (norm + 1e-6))``), so neither a new step, a scheduled learning rate, a
+    clip nor another optimizer setting recompiles; with symbolic sizes one graph serves every
+    parameter (:meth:`MasterWeights.fused_step` passes them flat).
+    """
+    lr, beta1, beta2, eps, weight_decay, step, clip_coef = hyper.unbind()
+    g = grad.float() * clip_coef
+    if decoupled:
+        master.mul_(1 - lr * weight_decay)
+    else:
+        g = g + weight_decay * master
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g * (1 - beta2))
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step).sqrt()
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    master.sub_(lr / bias_correction1 * exp_avg / denom)
+    param.copy_(master)
+
+
+def fusable(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why :meth:`MasterWeights.fused_step` cannot step ``optimizer``, or None when it can:
+    torch's Adam or AdamW with float settings, without amsgrad, maximize, capturable or
+    differentiable."""
+    kind = type(optimizer)
+    if kind not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"{kind.__module__}.{kind.__qualname__} is not torch.optim.Adam or AdamW"
+    for group in optimizer.param_groups:
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if group.get(flag):
+                return f"{flag}=True"
+        if group.get("decoupled_weight_decay") and kind is torch.optim.Adam:
+            return "Adam with decoupled_weight_decay"
+        if any(isinstance(group.get(k), torch.Tensor) for k in ("lr", "weight_decay", "eps")) or any(
+            isinstance(b, torch.Tensor) for b in group["betas"]
+        ):
+            return "a tensor lr, beta, eps or weight_decay"
+    return None
+
+
 class MasterWeights:
     """fp32 master copies of bf16 trained parameters, for ``dtype: bf16`` (``master_weights``).
 
@@ -102,13 +161,23 @@ class MasterWeights:
     The masters are part of the training state (:meth:`state_dict`), so a resume continues from
     the same fp32 weights.
 
+    With ``step_fn`` (:func:`adam_master_step`, compiled: ``compile.optimizer``) and an optimizer
+    it can step (:func:`fusable`), :meth:`grad_norm` and :meth:`fused_step` replace the four
+    passes above: the norm is read from the bf16 gradients, and each parameter's clip, Adam
+    step and rounding are one pass. The optimizer keeps its settings (a scheduler still sets
+    its ``lr``) and its state, in torch's own layout, so a checkpoint resumes either way.
+
     Args:
         params (Iterable[torch.nn.Parameter]): the trained parameters (bf16), in the optimizer's order.
+        step_fn (Optional[Callable]): :func:`adam_master_step`, compiled; None: the four passes.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
+    def __init__(self, params: Iterable[torch.nn.Parameter], step_fn: Optional[Callable] = None) -> None:
         self.params = list(params)
         self.masters = [p.detach().float().clone() for p in self.params]
+        self._step_fn = step_fn
+        device = self.masters[0].device if self.masters else None
+        self._hyper = torch.zeros(7, dtype=torch.float32, device=device)  # adam_master_step's scalars
         # fp32 gradient buffers, allocated at the first step and reused: a fresh fp32 copy of
         # every gradient each step costs page faults on CPU (SmolLM2-135M: 0.5 s of a 1 s
         # optimizer phase; benchmarks/RESULTS.md, "bf16 on AMX").
@@ -124,6 +193,47 @@ class MasterWeights:
                 self._grads[i] = torch.empty_like(m)
             m.grad = self._grads[i].copy_(p.grad)
             p.grad = None
+
+    def fuses(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether :meth:`fused_step` steps ``optimizer`` (a ``step_fn`` and :func:`fusable`)."""
+        return self._step_fn is not None and fusable(optimizer) is None
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The total 2-norm of the bf16 gradients, accumulated in fp32: what
+        ``clip_grad_norm_`` over the masters' fp32 gradients returns. A 0-dim fp32 tensor."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=self._hyper.device)
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
+                                                     for g in grads]))
+
+    @torch.no_grad()
+    def fused_step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, max_norm: float) -> None:
+        """Clips by ``grad_norm`` to ``max_norm`` (as ``clip_grad_norm_``; inf: no clip), steps
+        every master whose parameter has a gradient, and rounds it into the parameter, one
+        ``step_fn`` call each; ``optimizer`` holds the settings and the state."""
+        clip_coef = (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+        index = {id(m): i for i, m in enumerate(self.masters)}
+        decoupled = isinstance(optimizer, torch.optim.AdamW)
+        flat = lambda t: t.view(-1) if t.is_contiguous() else t  # noqa: E731  (one graph for all sizes)
+        for group in optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            self._hyper[:5] = torch.tensor([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]])
+            for m in group["params"]:
+                p = self.params[index[id(m)]]
+                if p.grad is None:
+                    continue
+                state = optimizer.state[m]
+                if not state:  # torch's own initial state, so either path resumes the other
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=m.device)
+                    state["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+                state["step"] += 1
+                self._hyper[5] = state["step"]
+                self._hyper[6] = clip_coef
+                self._step_fn(flat(p), flat(p.grad), flat(m), flat(state["exp_avg"]), flat(state["exp_avg_sq"]),
+                              self._hyper, decoupled=decoupled)
 
     @torch.no_grad()
     def write_back(self) -> None:
