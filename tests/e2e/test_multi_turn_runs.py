@@ -224,7 +224,10 @@ def test_turn_level_gae_gives_each_turn_one_advantage(make_recipe):
         turns = _segments(valid[r])  # assistant turns: policy tokens between observations
         for start, end in turns:
             assert (turn_adv[0][r, start:end] == turn_adv[0][r, start]).all(), (r, start, end)
-        if len(turns) > 1:  # each turn its own step: another value, another advantage
+        # each turn its own step: another discount, another advantage. Not on a row that
+        # scored 0: step 1's values (a zero value head) and KL (the policy is its reference)
+        # are 0 too, so every turn's return is 0 and whitening gives its turns one advantage.
+        if len(turns) > 1 and traj.scores[r] != 0:
             multi += 1
             assert turn_adv[0][r, turns[0][0]] != turn_adv[0][r, turns[1][0]], r
     assert multi > 0
