@@ -33,7 +33,7 @@ from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.rollout.fused import fused_rollout
 from torchtune_ppo.rollout.generation import GenerationSteps, extend, generate_next_token, prefill, prefill_group
 from torchtune_ppo.rollout.scoring import packed_score_trajectory
-from torchtune_ppo.run.optim import adam_master_step
+from torchtune_ppo.run.optim import MasterStep, adam_master_step, grad_sq_sum
 
 F = TypeVar("F", bound=Callable)
 
@@ -77,6 +77,11 @@ def maybe_compile(
         kwargs["backend"] = backend  # modes are inductor's: a test backend runs without one
     elif mode != "default":
         kwargs["mode"] = mode
+    elif dynamic:
+        # with a symbolic size inductor's CPU code cannot tell the work's size and runs the
+        # loop on one thread: one OpenMP scope, sized at run time (SmolLM2's optimizer step:
+        # 13 GB/s on one of two cores; benchmarks/RESULTS.md, "bf16 on AMX")
+        kwargs["options"] = {"cpp.dynamic_threads": True}
     return torch.compile(fn, **kwargs)
 
 
@@ -96,10 +101,10 @@ class Regions(NamedTuple):
             and the frames between them would specialise any dynamic size.
         whole_scoring_models (bool): the scoring runs as one graph, which cannot cross FSDP's
             hooks: sharded scoring models are gathered whole around it.
-        master_step (Optional[Callable]): with ``compile.optimizer``, bf16 master weights' Adam
-            step of one parameter in one pass (:func:`~torchtune_ppo.run.optim.adam_master_step`),
-            compiled with symbolic sizes (one graph for every parameter shape); None: the
-            eager optimizer path.
+        master_step (Optional[MasterStep]): with ``compile.optimizer``, bf16 master weights' Adam
+            step of one parameter in one pass (:func:`~torchtune_ppo.run.optim.adam_master_step`)
+            and its gradient's sum of squares, compiled with symbolic sizes (one graph each for
+            every parameter shape); None: the eager optimizer path.
     """
 
     generation: GenerationSteps
@@ -108,7 +113,7 @@ class Regions(NamedTuple):
     loss_step: Callable
     loss_step_fixed_shapes: bool
     whole_scoring_models: bool
-    master_step: Optional[Callable] = None
+    master_step: Optional[MasterStep] = None
 
 
 def regions(compile_cfg: Any, *, world_size: int = 1, device: Optional[torch.device] = None) -> Regions:
@@ -140,7 +145,8 @@ def regions(compile_cfg: Any, *, world_size: int = 1, device: Optional[torch.dev
                                 fullgraph=world_size == 1),
         loss_step_fixed_shapes=world_size > 1,
         whole_scoring_models=compile_cfg.trajectory or fused,
-        master_step=maybe_compile(adam_master_step, enabled=True, dynamic=True)
+        master_step=MasterStep(step=maybe_compile(adam_master_step, enabled=True, dynamic=True),
+                               sq_sum=maybe_compile(grad_sq_sum, enabled=True, dynamic=True))
         if getattr(compile_cfg, "optimizer", False) else None,
     )
 
