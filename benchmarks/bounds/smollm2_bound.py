@@ -2,19 +2,20 @@
 
 The shapes are those of ``python benchmarks/ppo/bench_ppo.py --smollm2``: batch 16, prompts
 left-padded to P = 32 (their real lengths read from the config's dataset), T = 12 generated
-tokens, ppo_batch_size 8, 2 PPO epochs, fp32; the model is SmolLM2-135M (30 layers, dim 576,
+tokens, ppo_batch_size 8, 2 PPO epochs, fp32 or bf16 (``--dtype``); the model is SmolLM2-135M (30 layers, dim 576,
 9 heads / 3 KV heads of 64, MLP 1536, vocabulary 49152, tied embeddings). Per phase, as the
 recipe runs it (``--response-len`` tokens per response):
 
 - generate: the prefill (``[16, 32]`` prompts; torchtune's decoder projects every prompt
   position to the vocabulary) and T - 1 decode steps of 16 rows, each of which reads every
-  weight once (135M parameters x 4 bytes);
+  weight once (135M parameters x 4 bytes, 2 in bf16);
 - score: the reference, value and reward trunks on the packed real tokens (prompt + response),
   the reference's vocabulary projection at the 16 x T response reads;
 - loss step: 2 epochs x 2 micro-steps of 8 packed sequences (prompt + response - 1 tokens),
   policy and value, forward + backward (the backward's two GEMMs per forward GEMM: 3x), the
   policy's vocabulary projection at the response reads;
-- optimizer: 4 AdamW steps (fused) of policy + value, plus the gradient-norm clip: bytes.
+- optimizer: 4 AdamW steps (fused) of policy + value, plus the gradient-norm clip: bytes (bf16:
+  fp32 masters and moments stepped in one pass, ``compile.optimizer``).
 
 The bound of a GEMM phase is the time torch.mm takes for exactly that phase's matrix products
 on this machine (``nn.Linear``'s ``x @ W.t()`` and its backward's ``dY @ W`` and
@@ -24,7 +25,7 @@ bandwidth, bandwidth from a 1 GiB copy (read + written bytes) and a 1 GiB sum (r
 Measured phase times are the benchmark's medians, passed in (defaults: ours, everything
 compiled, run 1 of 2026-12-02 in RESULTS.md).
 
-    OMP_NUM_THREADS=2 python benchmarks/bounds/smollm2_bound.py          # or gemm_bound.py --smollm2
+    OMP_NUM_THREADS=2 python benchmarks/bounds/smollm2_bound.py [--dtype bf16]   # or gemm_bound.py --smollm2
 """
 
 import argparse
@@ -90,20 +91,23 @@ class Trunk:
 
     REPEATS = 20
 
-    def __init__(self, g: torch.Generator) -> None:
-        self.vocab = torch.randn(VOCAB, DIM, generator=g)  # the tied embedding, [V, D]
-        self.g = g
+    def __init__(self, g: torch.Generator, dtype: torch.dtype = torch.float32) -> None:
+        self.g, self.dtype = g, dtype
+        self.vocab = self._randn(VOCAB, DIM)  # the tied embedding, [V, D]
         self._sweep = None
 
+    def _randn(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.g).to(self.dtype)
+
     def _product(self, m: int, out: int, inn: int, kind: str) -> float:
-        w = torch.randn(out, inn, generator=self.g)
+        w = self._randn(out, inn)
         if kind == "fwd":
-            x = torch.randn(m, inn, generator=self.g)
+            x = self._randn(m, inn)
             return _seconds(lambda: x @ w.t(), self.REPEATS)
-        dy = torch.randn(m, out, generator=self.g)
+        dy = self._randn(m, out)
         if kind == "dx":
             return _seconds(lambda: dy @ w, self.REPEATS)
-        x = torch.randn(m, inn, generator=self.g)
+        x = self._randn(m, inn)
         return _seconds(lambda: dy.t() @ x, self.REPEATS)
 
     def _layers(self, m: int, kinds) -> float:
@@ -120,16 +124,16 @@ class Trunk:
     def forward_streaming(self, m: int, repeats: int = 10) -> float:
         """The 30 layers' distinct weights in turn (decode: weights come from memory)."""
         if self._sweep is None:
-            self._sweep = [torch.randn(sh, generator=self.g) for sh in LAYER_SHAPES * LAYERS]
-        x = {n: torch.randn(m, n, generator=self.g) for n in (DIM, MLP)}
+            self._sweep = [self._randn(*sh) for sh in LAYER_SHAPES * LAYERS]
+        x = {n: self._randn(m, n) for n in (DIM, MLP)}
         return _seconds(lambda: [x[w.shape[1]] @ w.t() for w in self._sweep], repeats)
 
     def vocab_forward(self, m: int, repeats: int = 10) -> float:
-        x = torch.randn(m, DIM, generator=self.g)
+        x = self._randn(m, DIM)
         return _seconds(lambda: x @ self.vocab.t(), repeats)
 
     def vocab_backward(self, m: int, repeats: int = 10) -> float:
-        dy, x = torch.randn(m, VOCAB, generator=self.g), torch.randn(m, DIM, generator=self.g)
+        dy, x = self._randn(m, VOCAB), self._randn(m, DIM)
         return _seconds(lambda: (dy @ self.vocab, dy.t() @ x), repeats)
 
 
@@ -156,6 +160,8 @@ def attention_flops(queries: float, context: float) -> float:
 def phases(p: float, r: float, trunk: Trunk, bw: Dict[str, float]) -> List[dict]:
     """Each phase's FLOPs, bytes, GEMM-bound time and bound, at mean prompt ``p`` and response ``r``."""
     out = []
+    bf16 = trunk.dtype == torch.bfloat16
+    width = 2 if bf16 else 4  # bytes a weight
     rows_prefill = B * P
     # generate: prefill on [16, 32] padded rows, logits at every position ([B, P, V]); then
     # r - 1 decode steps of 16 rows (one token each), each reading all weights once.
@@ -163,7 +169,7 @@ def phases(p: float, r: float, trunk: Trunk, bw: Dict[str, float]) -> List[dict]
     prefill_vocab = trunk.vocab_forward(rows_prefill)
     prefill_gemm = trunk.forward(rows_prefill) + prefill_vocab
     decode_gemm = trunk.forward_streaming(B) + trunk.vocab_forward(B)
-    stream = PARAMS * 4 / bw["read"] / 1e9  # s per decode step
+    stream = PARAMS * width / bw["read"] / 1e9  # s per decode step
     decode_bound = max(decode_gemm, stream)
     out.append(dict(
         phase="generate", flops=trunk_flops(rows_prefill) + 2 * rows_prefill * DIM * VOCAB
@@ -172,7 +178,7 @@ def phases(p: float, r: float, trunk: Trunk, bw: Dict[str, float]) -> List[dict]
         bound_s=prefill_gemm + decode_steps * decode_bound,
         detail=f"prefill GEMMs {prefill_gemm:.3f} s (of which {prefill_vocab:.3f} s the [{B}, {P}, {VOCAB}] "
                f"logits, only [{B}, {VOCAB}] of them read); {decode_steps} decode steps x "
-               f"max(GEMMs {decode_gemm * 1e3:.1f} ms, streaming {PARAMS * 4 / 2**20:.0f} MiB at "
+               f"max(GEMMs {decode_gemm * 1e3:.1f} ms, streaming {PARAMS * width / 2**20:.0f} MiB at "
                f"{bw['read']:.1f} GB/s = {stream * 1e3:.1f} ms)",
         prefill_s=prefill_gemm, prefill_vocab_s=prefill_vocab, decode_step_gemm_s=decode_gemm,
         decode_step_stream_s=stream,
@@ -206,12 +212,16 @@ def phases(p: float, r: float, trunk: Trunk, bw: Dict[str, float]) -> List[dict]
     ))
     # optimizer: fused AdamW reads param, grad, exp_avg, exp_avg_sq and writes param,
     # exp_avg, exp_avg_sq (28 bytes a parameter); clip_grad_norm reads the grads (4 more).
+    # bf16 with fp32 masters in one pass (compile.optimizer): the bf16 gradient, the master and
+    # both moments read, the master, the moments and the bf16 weight written (28), the norm's
+    # read of the bf16 gradient (2 more).
     trained = 2 * PARAMS  # policy + value (the value head [1, D] instead of nothing: same count)
-    nbytes = micro * trained * 32
+    per_param = 30 if bf16 else 32
+    nbytes = micro * trained * per_param
     out.append(dict(
         phase="optimizer", flops=0.0, other_flops=micro * trained * 12.0,
         bound_s=nbytes / bw["copy"] / 1e9,
-        detail=f"{micro} steps x {trained / 1e6:.0f}M parameters x 32 bytes = {nbytes / 1e9:.1f} GB "
+        detail=f"{micro} steps x {trained / 1e6:.0f}M parameters x {per_param} bytes = {nbytes / 1e9:.1f} GB "
                f"at {bw['copy']:.1f} GB/s (copy)",
     ))
     return out
@@ -224,12 +234,15 @@ def main(argv=None) -> None:
     for k, v in RUN1.items():
         ap.add_argument(f"--{k.replace('_', '-')}-s", type=float, default=v, dest=k,
                         help=f"measured median seconds of the phase (default {v}: RESULTS.md, run 1, ours)")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="the products' and weights' dtype (bf16: AMX where the CPU has it; the "
+                         "optimizer with fp32 masters in one pass)")
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = ap.parse_args(argv)
 
     p, where = prompt_tokens()
     g = torch.Generator().manual_seed(0)
-    trunk = Trunk(g)
+    trunk = Trunk(g, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     bw = bandwidth()
     rate_m = round(PPO_BATCH * (p + args.response_len - 1))
     a, w = torch.randn(rate_m, DIM, generator=g), torch.randn(MLP, DIM, generator=g)
@@ -238,7 +251,7 @@ def main(argv=None) -> None:
     hot_bf16 = 2 * rate_m * DIM * MLP / _seconds(lambda: a16 @ w16.t(), 50) / 1e9
     rows = phases(p, args.response_len, trunk, bw)
 
-    print(f"SmolLM2-135M ({PARAMS / 1e6:.1f}M parameters), batch {B}, P {P}, T {T}; "
+    print(f"SmolLM2-135M ({PARAMS / 1e6:.1f}M parameters), {args.dtype}, batch {B}, P {P}, T {T}; "
           f"mean prompt {p:.2f} tokens ({where}), responses {args.response_len} tokens")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; bandwidth: copy {bw['copy']:.1f} GB/s "
           f"(read + written), sum {bw['read']:.1f} GB/s (read); one hot [{rate_m}, {DIM}] @ [{DIM}, {MLP}]: "
