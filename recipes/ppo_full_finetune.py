@@ -27,7 +27,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from torchtune_ppo import checkpointing, compile as compiling, distributed
-from torchtune_ppo.config import CompileConfig, check_cli_overrides, cpu_threads, share_group_prompt, validate_config
+from torchtune_ppo.config import CompileConfig, check_cli_overrides, cpu_threads, prompt_sharing, validate_config
 from torchtune_ppo.config.preflight import preflight
 from torchtune_ppo.data import prompt_loader
 from torchtune_ppo.eval import build_evaluator
@@ -102,7 +102,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             value_pretrain=ValuePretraining.from_config(cfg.value_pretrain), data_identity=checked.data_identity,
             save_every_n_steps=cfg.save_every_n_steps, save_every_n_epochs=cfg.save_every_n_epochs, evaluation=cfg.eval)
         regions = compiling.regions(cfg.compile, world_size=self._world_size, device=self._device)
-        self._group = self._n if share_group_prompt(cfg, self._world_size) else 1  # share_group_prefill
+        self._group, self._prefix = prompt_sharing(cfg, self._world_size, self._dataloader.dataset)  # computed once
         log.info(f"Compiled regions: {CompileConfig(**cfg.compile)}")
         self._models = build_models(cfg, device=self._device, dtype=self._dtype, resume_from=checked.resume_from)
         self._rollout = self._setup_rollout(cfg, regions)
@@ -146,7 +146,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                        score=regions.score, fused_rollout=regions.fused_rollout,
                        whole_scoring_models=regions.whole_scoring_models, reference=self._models.reference,
                        recompute_logprobs=cfg.rollout_correction.mode is not None,  # TIS / MIS
-                       turns=TurnRunner.from_config(cfg, generator, self._tokenizer))  # with `env`: episodes
+                       turns=TurnRunner.from_config(cfg, generator, self._tokenizer), share_prefix=self._prefix)
 
     def _setup_update(self, cfg: DictConfig, regions: compiling.Regions) -> PPOUpdate:
         models, rows = self._models.trained, self._rows_per_step
@@ -169,7 +169,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             temperature=float(cfg.temperature), loss=LossSettings.from_config(loss),
             clip_grad_norm=cfg.clip_grad_norm, optimizer_in_bwd=cfg.optimizer_in_bwd,
             critic_warmup_steps=cfg.critic_warmup_steps,  # the first N steps train the value model only
-            fixed_shapes=regions.loss_step_fixed_shapes, master_weights=self._master,
+            fixed_shapes=regions.loss_step_fixed_shapes, master_weights=self._master, share_prefix=self._prefix,
         )
 
     def train_step(

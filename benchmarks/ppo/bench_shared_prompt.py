@@ -22,6 +22,12 @@ max allocated on CUDA).
 
     python benchmarks/ppo/bench_shared_prompt.py --tiny     # tiny sentiment models, under a minute
     python benchmarks/ppo/bench_shared_prompt.py --smollm2  # SmolLM2-135M-Instruct: P=256, n=8; P=96, n=4
+    python benchmarks/ppo/bench_shared_prompt.py --smollm2-prefix --dtype bf16   # share_prompt_prefix
+
+``--smollm2-prefix`` compares ``share_prompt_prefix: false`` (``unshared``) with ``true``
+(``shared``: the prefix every prompt of a batch begins with, once per packed row in scoring and
+the loss step) on the SmolLM2 arithmetic config itself (PPO with its value model and reward
+function, its chat prompts, T = 12 unless ``--max-generated-tokens``), fixed policy as above.
 
 ``--smollm2`` reads the prepared model (``python tools/prepare_smollm2.py``; the folder
 ``$TORCHTUNE_PPO_SMOLLM2_DIR``, default ``~/.cache/torchtune_ppo/SmolLM2-135M-Instruct``) with
@@ -106,6 +112,16 @@ def case_config(args: argparse.Namespace, prompt_len: int, n: int, prompts: int,
         "compile": bool(args.compile), "optimizer": {"lr": 1e-30},  # a fixed policy: one workload
         "clip_grad_norm": None,
     }
+    if args.kind == "prefix":  # the arithmetic config as shipped, n = 1, the prefix shared or not
+        cfg = OmegaConf.load(ROOT / "recipes/configs/smollm2/135M_ppo_arithmetic.yaml")
+        for key in ("eval", "value_pretrain"):
+            cfg.pop(key, None)
+        cfg = OmegaConf.merge(cfg, {key: common[key] for key in (
+            "output_dir", "num_ppo_steps", "seed", "device", "dtype", "save_every_n_steps", "log_every_n_steps",
+            "log_samples_every_n_steps", "compile")}, {"share_prompt_prefix": shared, "batch_size": prompts,
+                                                       "max_generated_tokens": args.max_generated_tokens})
+        cfg.optimizer = OmegaConf.merge(cfg.optimizer, {"lr": 1e-30})
+        return OmegaConf.to_container(cfg, resolve=True)
     if args.kind == "smollm2":
         cfg = OmegaConf.load(ROOT / "recipes/configs/smollm2/135M_ppo_arithmetic.yaml")
         rows = prompt_len + n * args.max_generated_tokens  # room for a whole group's row
@@ -136,7 +152,7 @@ class _Row:
 
         self.device = cfg["device"]
         self.ours = OursRow(cfg)
-        self.info = {"share": self.ours.recipe._group > 1}
+        self.info = {"share": self.ours.recipe._group > 1 or self.ours.recipe._prefix}
 
     def run(self, on_step) -> None:
         self.ours.run(on_step)
@@ -161,11 +177,12 @@ def _median(steps: List[Dict[str, Any]], key: str) -> Optional[float]:
 
 
 def run_case(args: argparse.Namespace, prompt_len: int, n: int, prompts: int, work: Path) -> Dict[str, Any]:
-    name = f"P{prompt_len}_n{n}"
+    name = "arithmetic" if args.kind == "prefix" else f"P{prompt_len}_n{n}"
     case_dir = work / name
     case_dir.mkdir(parents=True, exist_ok=True)
     data = case_dir / "prompts.json"
-    write_prompts(args.kind, data)
+    if args.kind != "prefix":
+        write_prompts(args.kind, data)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
                PYTHONPATH=os.pathsep.join(p for p in (str(BENCH_DIR), str(BENCHMARKS), os.environ.get("PYTHONPATH"))
                                           if p))
@@ -214,7 +231,9 @@ def run_case(args: argparse.Namespace, prompt_len: int, n: int, prompts: int, wo
 
 
 def markdown(results: List[Dict[str, Any]], args: argparse.Namespace, machine: Dict[str, Any]) -> str:
-    lines = [f"# A group's prompt computed once: GRPO steps, {args.kind}", "",
+    title = ("The prefix every prompt shares computed once: PPO steps, SmolLM2 arithmetic" if args.kind == "prefix"
+             else f"A group's prompt computed once: GRPO steps, {args.kind}")
+    lines = [f"# {title}", "",
              f"{machine.get('cpu', '')}, {args.threads} thread(s), device {args.device}, {args.dtype}, "
              f"{'compiled' if args.compile else 'eager'}, commit {machine.get('commit', '?')}; rows interleaved, "
              f"{args.warmup} warm-up step(s) left out; speedups are medians of per-pair ratios (unshared / "
@@ -228,7 +247,8 @@ def markdown(results: List[Dict[str, Any]], args: argparse.Namespace, machine: D
     for r in results:
         for row, m in r["rows"].items():
             speed = format_ratio(r["speedup"]["step_s"]) if row == "shared" else ""
-            lines.append(f"| P={r['prompt_len']}, n={r['n']}, {r['prompts']} prompts | {row} | {f(m['step_s'])} | "
+            case = "the config's prompts" if args.kind == "prefix" else f"P={r['prompt_len']}, n={r['n']}"
+            lines.append(f"| {case}, {r['prompts']} prompts | {row} | {f(m['step_s'])} | "
                          f"{f(m['generate'])} | {f(m['score'])} | {f(m['loss_step'])} | "
                          f"{f(m['slots_per_token'], '.2f')} | {f(m['peak_memory_mib'], '.0f')} | {speed} |")
     lines.append("")
@@ -244,6 +264,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     kind = parser.add_mutually_exclusive_group(required=True)
     kind.add_argument("--tiny", dest="kind", action="store_const", const="tiny")
     kind.add_argument("--smollm2", dest="kind", action="store_const", const="smollm2")
+    kind.add_argument("--smollm2-prefix", dest="kind", action="store_const", const="prefix")
     kind.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("bench_shared_prompt"))
     parser.add_argument("--cases", default=None, help="e.g. 256x8x4,96x4x8: P x n x prompts per step")
@@ -262,13 +283,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         worker(args.worker)
         return 0
     tiny = args.kind == "tiny"
-    args.max_generated_tokens = args.max_generated_tokens or (8 if tiny else 32)
+    args.max_generated_tokens = args.max_generated_tokens or (8 if tiny else 12 if args.kind == "prefix" else 32)
     args.max_steps = args.max_steps if args.max_steps is not None else (3 if tiny else 20)
     args.min_steps = args.min_steps if args.min_steps is not None else (2 if tiny else 6)
-    cases = TINY_CASES if tiny else SMOLLM2_CASES
+    cases = TINY_CASES if tiny else [(None, 1, 16)] if args.kind == "prefix" else SMOLLM2_CASES
     if args.cases:
         cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
-    if args.kind == "smollm2":
+    if args.kind in ("smollm2", "prefix"):
         folder = Path(os.environ.get("TORCHTUNE_PPO_SMOLLM2_DIR", Path.home() / ".cache/torchtune_ppo/SmolLM2-135M-Instruct"))
         if not (folder / "model.safetensors").is_file():
             raise SystemExit(f"no prepared SmolLM2 in {folder}: run python tools/prepare_smollm2.py first.")

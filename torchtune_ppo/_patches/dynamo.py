@@ -44,16 +44,18 @@ def unique_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def mark_dynamic(packed: T, *, rows: Sequence[torch.Tensor], reads: Sequence[torch.Tensor]) -> T:
+def mark_dynamic(packed: T, *, rows: Sequence[torch.Tensor], reads: Sequence[torch.Tensor],
+                 length: bool = False) -> T:
     """Marks the sizes of a packed region's inputs dynamic: dim 0 (the rows ``R``) of each of
-    ``rows`` and dim 1 (the chunk length ``K``) of each ``[C, K]`` tensor of ``reads``.
+    ``rows`` and dim 1 (the chunk length ``K``) of each ``[C, K]`` tensor of ``reads``; with
+    ``length`` also dim 1 of ``rows`` (the row length ``L``, for rows cut to what they hold).
 
     A region compiled with ``dynamic=False`` then traces one graph symbolic in exactly these
     sizes, and every later length mix reuses it. Both must be at least 2 (dynamo specialises
     sizes 0 and 1). Eager code ignores the marks. Returns ``packed``.
     """
     for t in rows:
-        torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(t, [0, 1] if length else 0)
     for t in reads:
         torch._dynamo.mark_dynamic(t, 1)
     return packed

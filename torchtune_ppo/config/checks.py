@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 
 from torchtune_ppo.config.components import check_component_arguments
+from torchtune_ppo.rlhf.packing import common_prefix_len
 from torchtune_ppo.config.schema import (
     COMPILE_REGIONS,
     EVAL_KEYS,
@@ -421,6 +422,56 @@ def share_group_prompt(cfg: DictConfig, world_size: int = 1) -> bool:
     if why is not None:
         _note(f"share_group_prefill is off: {why}; each response is scored and trained with its own prompt copy.")
     return why is None
+
+
+# ``share_prompt_prefix: null`` shares a prefix of at least this many tokens (and a quarter of P).
+MIN_SHARED_PREFIX = 8
+# prompts of the dataset whose common prefix decides ``share_prompt_prefix: null``
+PREFIX_SAMPLE = 256
+
+
+def dataset_prefix(dataset) -> Tuple[int, int]:
+    """The tokens the first :data:`PREFIX_SAMPLE` prompts of a map-style ``{"tokens": [...]}``
+    dataset all begin with (each batch's own common prefix is what is packed once), and the
+    longest of them."""
+    prompts = [dataset[i]["tokens"] for i in range(min(len(dataset), PREFIX_SAMPLE))]
+    return common_prefix_len(prompts), max(map(len, prompts), default=0)
+
+
+def prompt_sharing(cfg: DictConfig, world_size: int = 1, dataset=None) -> Tuple[int, bool]:
+    """What a run computes once: ``(group, prefix)``, the group size whose prompt is packed once
+    (``share_group_prefill``: :func:`share_group_prompt`; 1 when off) and whether the prefix every
+    prompt of a batch begins with is packed once per row in scoring and the loss step
+    (``share_prompt_prefix``). null: on without shared groups when the first prompts of
+    ``dataset`` share at least ``max(MIN_SHARED_PREFIX, P // 4)`` tokens (``P``: ``max_prompt_len``,
+    or the longest of those prompts where it is null), with a note
+    either way once that rule applies; true: on (an error where it cannot be); false: off.
+
+    Raises:
+        ValueError: ``share_prompt_prefix=True`` with groups sharing their prompt, with
+            ``compile.rollout`` or with ``env``.
+    """
+    group = cfg.num_samples_per_prompt if share_group_prompt(cfg, world_size) else 1
+    setting = cfg.get("share_prompt_prefix")
+    if setting is False:
+        return group, False
+    why = ("each group's prompt is already one copy a row (share_group_prefill)" if group > 1 else
+           "compile.rollout=True (the fused region scores padded rows)" if cfg.compile.rollout else
+           "env is set (multi-turn episodes are packed one a row)" if cfg.get("env") is not None else None)
+    if why is not None:
+        if setting:
+            raise ValueError(f"share_prompt_prefix=True, but {why}: set share_prompt_prefix=False or null.")
+        return group, False
+    if setting:
+        return group, True
+    have, longest = dataset_prefix(dataset) if dataset is not None else (0, 0)
+    need = max(MIN_SHARED_PREFIX, (cfg.max_prompt_len or longest) // 4)  # null: the longest prompt's
+    on = have >= need
+    _note(f"share_prompt_prefix is {'on' if on else 'off'}: the first {PREFIX_SAMPLE} prompts share {have} leading "
+          f"tokens ({'at least' if on else 'fewer than'} {need}); "
+          + ("each batch's common prefix is computed once per packed row in scoring and the loss step."
+             if on else "set share_prompt_prefix=True to share them anyway."))
+    return group, on
 
 
 def check_world_size(cfg: DictConfig, world_size: int) -> None:

@@ -619,6 +619,13 @@ SCHEMA: Tuple[Key, ...] = (
         "(`forward_batch_size` per process a multiple of n, no `compile.rollout`), off otherwise "
         "with a note; true: on, and those sizes are an error; false: off. See [Group "
         "sampling](group_sampling.md#one-prompt-per-group-share_group_prefill)"),
+    Key("share_prompt_prefix", Bool(optional=True), None,
+        "without shared groups, pack the tokens every prompt of a batch begins with (a chat "
+        "template's system turn) once per packed row in scoring and in the loss step, each "
+        "sequence's other prompt tokens and its response after it, in rows 4 times as long. null: "
+        "on when the first 256 prompts of the dataset share at least max(8, max_prompt_len / 4) "
+        "tokens, with a note either way; true: on (an error with shared groups, `compile.rollout` "
+        "or `env`); false: off. See [Performance](performance.md#a-prefix-every-prompt-shares-share_prompt_prefix)"),
     # A `_component_` block (torchtune's PPOLoss) keeps its own defaults instead of these.
     Key("loss", LOSS, LOSS.defaults(),
         "PPO loss: the plain keys below, or torchtune's `PPOLoss` `_component_` block (which keeps "

@@ -126,6 +126,9 @@ class PPOUpdate:
             1: rows are shuffled one by one.
         share_prompts (bool): with ``group_size`` > 1, pack shared prompts; False: each response
             with its own prompt copy, with the same group-wise draw (the reference path).
+        share_prefix (bool): with ``group_size`` 1, the tokens every prompt of the step begins
+            with are packed once per row (``share_prefix`` of
+            :func:`~torchtune_ppo.rlhf.packing.pack_minibatch`; ``share_prompt_prefix``).
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class PPOUpdate:
         master_weights=None,
         group_size: int = 1,
         share_prompts: bool = True,
+        share_prefix: bool = False,
     ) -> None:
         self.policy_model, self.value_model = policy_model, value_model
         self.optimizer, self.lr_scheduler, self.loss_step = optimizer, lr_scheduler, loss_step
@@ -172,6 +176,7 @@ class PPOUpdate:
         self._packed_tokens = PackedTokens()
         self.group_size = group_size
         self._share = group_size > 1 and share_prompts
+        self._share_prefix = group_size == 1 and share_prefix
         limits = [getattr(m, "max_seq_len", None) for m in (policy_model, value_model) if m is not None]
         self._max_seq_len = min((x for x in limits if isinstance(x, int)), default=None)
 
@@ -201,7 +206,7 @@ class PPOUpdate:
         self._packed_tokens.reset()
         stats, skipped, mismatch = [], 0, None
         micro_batch_size = self._ppo_batch_size // self.gradient_accumulation_steps
-        lengths = packing.sequence_lengths(trajectory, self._prompt_len)  # one host sync
+        lengths = packing.sequence_lengths(trajectory, self._prompt_len, common_prefix=self._share_prefix)  # sync
         for _ in range(self.ppo_epochs):
             order = self._draw(trajectory.scores.device)
             for start in range(0, self._batch_size, self._ppo_batch_size):
@@ -231,6 +236,11 @@ class PPOUpdate:
         """Rows, reads, chunks and (shared prompts) row length and group size of a micro-step."""
         fixed, P, T = self._fixed_shapes, self._prompt_len, self._response_len
         rows = packing.default_rows(micro_batch_size, fixed_shapes=fixed)
+        if self._share_prefix:  # one copy of the prefix all prompts share a row: fewer, longer rows
+            row_len, reads = packing.prefix_row_len(P, T - 1, self._max_seq_len), rows * T
+            return dict(rows=packing.prefix_rows(micro_batch_size, row_len, P, T - 1, fixed_shapes=fixed),
+                        max_reads=reads, num_chunks=packing.logprob_chunks(reads), row_len=row_len,
+                        share_prefix=True)
         if not self._share:
             return dict(rows=rows, num_chunks=packing.logprob_chunks(rows * T))
         # the prompt counted once per row: fewer, longer rows; as many reads as unshared
@@ -262,7 +272,7 @@ class PPOUpdate:
         step_stats, losses, gaps = [], [], []
         for micro_step in distributed.pad_micro_steps(steps):  # every rank runs as many
             loss, stats, pi_logprobs = self.loss_step(
-                self.policy_model, self.value_model, *(micro_step if fixed else micro_step.mark_dynamic()),
+                self.policy_model, self.value_model, *(micro_step if fixed else micro_step.mark_dynamic(self._share_prefix)),
                 temperature=self._temperature, **settings,
                 num_micro_batches=len(micro_batches),
             )

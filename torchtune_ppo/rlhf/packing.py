@@ -37,6 +37,13 @@ gradients, as the unshared sequences give it. A group whose responses do not fit
 continues in another row with its own copy of the prompt (:func:`share_prompts`). Shared rows
 are longer than unshared ones (:func:`shared_row_len`): a full-length prompt leaves no room for
 a second response in a row of ``P + T - 1``.
+
+**A prefix shared by every prompt.** Without groups, the prompts of a batch often begin with the
+same tokens (a chat template's system turn). With ``share_prefix`` a row holds one copy of those
+``c`` tokens (:attr:`SequenceLengths.common_prefix`) followed by several sequences, each its
+prompt's other tokens (positions from ``c``) and its response: each sequence's slots are one
+segment with the copy as its prefix, so it sees the ``c`` tokens and itself only, as in its own
+row; its first token is read at its prompt's last slot. Rows are :func:`prefix_row_len` long.
 """
 
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -55,11 +62,14 @@ class SequenceLengths(NamedTuple):
         prompt_lens (List[int]): real prompt tokens (>= 1).
         spans (List[int]): response positions up to and including the last valid token.
         valid_counts (List[int]): valid response tokens (the masked means' denominators).
+        common_prefix (int): the tokens every row's prompt begins with (at most the shortest
+            prompt); 0 unless asked for (:func:`sequence_lengths`).
     """
 
     prompt_lens: List[int]
     spans: List[int]
     valid_counts: List[int]
+    common_prefix: int = 0
 
 
 class PackedMicroStep(NamedTuple):
@@ -105,11 +115,12 @@ class PackedMicroStep(NamedTuple):
     ref_logprobs: torch.Tensor
     prefix_ids: Optional[torch.Tensor] = None
 
-    def mark_dynamic(self) -> "PackedMicroStep":
+    def mark_dynamic(self, length: bool = False) -> "PackedMicroStep":
         """Rows ``R`` and chunk length ``K`` dynamic for ``torch.compile``: the compiled loss step
-        traces one graph, symbolic in both, and every later length mix reuses it."""
+        traces one graph, symbolic in both, and every later length mix reuses it. ``length``:
+        the row length ``L`` too (rows cut to what they hold: ``share_prefix``)."""
         prefix = () if self.prefix_ids is None else (self.prefix_ids,)
-        return mark_dynamic(self, rows=(*self[:3], *prefix), reads=self[3:13])
+        return mark_dynamic(self, rows=(*self[:3], *prefix), reads=self[3:13], length=length)
 
 
 # No micro-step has a dimension of size 1: the compiled step would specialise on it.
@@ -173,6 +184,46 @@ def shared_rows(micro_batch_size: int, row_len: int, prompt_len: int, response_s
     return max(MIN_SIZE, (rows + 1) // 2 if fixed_shapes else rows)
 
 
+def prefix_row_len(prompt_len: int, response_slots: int, max_seq_len: Optional[int] = None) -> int:
+    """``L`` of a row holding one copy of the prefix every prompt shares (``share_prefix``):
+    :data:`SHARED_ROW_FACTOR` unshared rows (``P + t``), so at least that many whole sequences
+    fit a row whatever the prefix's length; never longer than ``max_seq_len``, never shorter than
+    ``P + t``."""
+    base = prompt_len + response_slots
+    length = SHARED_ROW_FACTOR * base
+    if max_seq_len is not None:
+        length = min(length, max_seq_len)
+    return max(base, length)
+
+
+def prefix_rows(micro_batch_size: int, row_len: int, prompt_len: int, response_slots: int,
+                fixed_shapes: bool = False) -> int:
+    """Most rows of a packed micro-step with a shared prefix: ``ceil(m / k)`` for the ``k`` whole
+    sequences a row always holds (an empty prefix: ``L // (P + t)``), at least 2; with
+    ``fixed_shapes`` half of that (at least 2), as :func:`default_rows`."""
+    per_row = max(1, row_len // (prompt_len + response_slots))
+    rows = -(-micro_batch_size // per_row)
+    return max(MIN_SIZE, (rows + 1) // 2 if fixed_shapes else rows)
+
+
+def common_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
+    """The number of leading tokens every prompt of ``prompts`` has in common (0 if none)."""
+    if not prompts:
+        return 0
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for k in range(n):
+        if any(p[k] != first[k] for p in prompts):
+            return k
+    return n
+
+
+def prompt_prefix(query_responses: torch.Tensor, prompt_lens: Sequence[int], prompt_len: int) -> int:
+    """:func:`common_prefix_len` of the real prompt tokens of left-padded ``[b, P + T]`` rows
+    (one copy of the ``[b, P]`` prompts to the host)."""
+    rows = query_responses[:, :prompt_len].tolist()
+    return common_prefix_len([row[prompt_len - p:] for row, p in zip(rows, prompt_lens)])
+
+
 def share_prompts(
     rows: Sequence[int],
     prompt_lens: Sequence[int],
@@ -211,11 +262,37 @@ def share_prompts(
     return pieces
 
 
-def sequence_lengths(trajectory: Trajectory, prompt_len: int) -> SequenceLengths:
+def prefix_pieces(slots: Sequence[int], reads: Sequence[int], *, shared_len: int, row_len: int,
+                  max_reads: int) -> Tuple[List[List[int]], int]:
+    """Sequences after one copy of a ``shared_len``-slot prefix, in balanced pieces, and the row
+    length they need.
+
+    The fewest pieces (at least 2 when there are 2 sequences, so no row is filler) of at most
+    ``row_len`` slots and ``max_reads`` reads each: sequences longest first, each to the piece
+    holding the fewest slots. Returns the pieces (indices into ``slots``) and ``L``, the longest
+    piece's slots with its copy: rows are cut to that, not ``row_len``.
+    """
+    n, room = len(slots), row_len - shared_len
+    order = sorted(range(n), key=lambda k: -slots[k])
+    count = max(min(n, MIN_SIZE), -(-sum(slots) // max(room, 1)), -(-sum(reads) // max(max_reads, 1)))
+    while True:
+        pieces, load, used = [[] for _ in range(count)], [0] * count, [0] * count
+        for k in order:
+            j = min(range(count), key=load.__getitem__)
+            pieces[j].append(k)
+            load[j] += slots[k]
+            used[j] += reads[k]
+        if count >= n or (max(load) <= room and max(used) <= max_reads):
+            return [p for p in pieces if p], shared_len + max(load, default=0)
+        count += 1
+
+
+def sequence_lengths(trajectory: Trajectory, prompt_len: int, common_prefix: bool = False) -> SequenceLengths:
     """Reads each row's prompt length, response span and valid count to the host (one sync).
 
     The prompt length comes from the first response token's mask row, which attends to
-    exactly the prompt's real tokens.
+    exactly the prompt's real tokens. ``common_prefix``: also the prompts' common prefix
+    (:func:`prompt_prefix`, a second copy).
 
     Raises:
         ValueError: a prompt has no real token (the config checks reject such data).
@@ -227,7 +304,8 @@ def sequence_lengths(trajectory: Trajectory, prompt_len: int) -> SequenceLengths
     host = torch.stack([prompt_lens, spans, valid.sum(-1)]).tolist()
     if min(host[0]) < 1:
         raise ValueError(f"packing needs at least one real prompt token per row, got {host[0]}")
-    return SequenceLengths(*host)
+    prefix = prompt_prefix(trajectory.query_responses, host[0], prompt_len) if common_prefix else 0
+    return SequenceLengths(*host, common_prefix=prefix)
 
 
 def plan_micro_steps(
@@ -292,6 +370,7 @@ def pack_minibatch(
     num_sequences: Optional[int] = None,
     group_size: int = 1,
     row_len: Optional[int] = None,
+    share_prefix: bool = False,
 ) -> List[PackedMicroStep]:
     """The packed micro-steps of one minibatch: placement on the host, gathers on the device.
 
@@ -320,16 +399,21 @@ def pack_minibatch(
             (:func:`share_prompts`); the micro-steps then carry ``prefix_ids``. 1: one sequence
             per prompt, as without groups.
         row_len (Optional[int]): ``L``; None: ``P + T - 1``, or :func:`shared_row_len` with
-            ``group_size`` > 1.
+            ``group_size`` > 1, or :func:`prefix_row_len` with ``share_prefix``.
+        share_prefix (bool): without groups, one copy per row of the ``lengths.common_prefix``
+            tokens every prompt begins with, before several sequences (module docstring); the
+            micro-steps then carry ``prefix_ids``.
 
     Returns:
         List[PackedMicroStep]: one or more micro-steps, each with the rows and reads it uses.
     """
     s = trajectory.query_responses.shape[1]
     response_len = s - prompt_len
-    share = group_size > 1
+    by_prefix = share_prefix and group_size == 1
+    share = group_size > 1 or by_prefix
     if row_len is None:
-        row_len = shared_row_len(prompt_len, response_len - 1, group_size) if share else s - 1
+        row_len = (shared_row_len(prompt_len, response_len - 1, group_size) if group_size > 1 else
+                   prefix_row_len(prompt_len, response_len - 1) if by_prefix else s - 1)
     max_reads = max_reads or rows * response_len
     grad_accum = len(micro_batches)
     seqs = [(g, i) for g, idxs in enumerate(micro_batches) for i in idxs if lengths.spans[i] > 0]
@@ -345,15 +429,22 @@ def pack_minibatch(
         )
         for g, i in seqs
     ]
-    # A piece: one prompt copy, then the response tokens of its sequences (one sequence unshared).
+    # A piece: one copy of a prompt (or of the prefix all prompts share), then its sequences'
+    # other prompt tokens and response tokens (one sequence unshared).
     spans = [lengths.spans[i] for _, i in seqs]
     prompts = [lengths.prompt_lens[i] for _, i in seqs]
-    if share:
+    prefix = min([lengths.common_prefix, *prompts]) if by_prefix else None
+    if group_size > 1:
         pieces = share_prompts([i for _, i in seqs], prompts, [n - 1 for n in spans], spans,
                                group_size=group_size, row_len=row_len, max_reads=max_reads)
+    elif by_prefix:  # balanced pieces, the rows cut to the longest (fixed shapes: full rows)
+        pieces, length = prefix_pieces([q - prefix + n - 1 for q, n in zip(prompts, spans)], spans,
+                                       shared_len=prefix, row_len=row_len, max_reads=max_reads)
+        row_len = row_len if fixed_shapes else max(length, MIN_SIZE)
     else:
         pieces = [[k] for k in range(len(seqs))]
-    token_counts = [prompts[p[0]] + sum(spans[k] - 1 for k in p) for p in pieces]
+    copies = [prompts[p[0]] if prefix is None else prefix for p in pieces]  # each piece's shared slots
+    token_counts = [c + sum(prompts[k] - c + spans[k] - 1 for k in p) for p, c in zip(pieces, copies)]
     places, step_rows, step_reads = plan_micro_steps(
         token_counts, [sum(spans[k] for k in p) for p in pieces],
         rows=rows, row_len=row_len, max_reads=max_reads,
@@ -373,29 +464,32 @@ def pack_minibatch(
     prefixes = list(segments) if share else None
     read_pos, read_src, read_token, read_micro = [0] * reads, [0] * reads, [0] * reads, [0] * reads
     read_scale, read_weight = [0.0] * reads, [0.0] * reads
-    for piece_id, (piece, (step, slot, read)) in enumerate(zip(pieces, places)):
-        p = prompts[piece[0]]
+    for piece_id, (piece, (step, slot, read), p) in enumerate(zip(pieces, places, copies)):
         slot0, read0 = slot_base[step] + slot, read_base[step] + read
-        first = seqs[piece[0]][1] * s + prompt_len - p  # flat index of the prompt's first real token
+        first = seqs[piece[0]][1] * s + prompt_len - prompts[piece[0]]  # the prompt's first real token
         token_src[slot0 : slot0 + p] = range(first, first + p)
         positions[slot0 : slot0 + p] = range(p)
         segments[slot0 : slot0 + p] = [piece_id] * p
         if share:
             prefixes[slot0 : slot0 + p] = [piece_id] * p
         last_prompt = slot + p - 1  # in the step's slots: reads index one micro-step
-        cursor = p  # the next response slot, from the piece's first
+        cursor = p  # the next sequence's slot, from the piece's first
         for k in piece:
-            (g, i), span = seqs[k], spans[k]
-            n, at = span - 1, slot0 + cursor
-            # response token j (j >= 1) is the input at the slot that reads token j + 1
-            token_src[at : at + n] = range(i * s + prompt_len, i * s + prompt_len + n)
-            positions[at : at + n] = range(p, p + n)
-            segments[at : at + n] = [len(pieces) + k if share else piece_id] * n
+            (g, i), span, q = seqs[k], spans[k], prompts[k]
+            n, own, segment = span - 1, q - p, len(pieces) + k if share else piece_id
+            at = slot0 + cursor
+            # the prompt's tokens after the shared copy (none unshared or in a group), then the
+            # response: token j (j >= 1) is the input at the slot that reads token j + 1
+            token_src[at + own : at + own + n] = range(i * s + prompt_len, i * s + prompt_len + n)
+            token_src[at : at + own] = range(i * s + prompt_len - q + p, i * s + prompt_len)
+            positions[at : at + own + n] = range(p, q + n)
+            segments[at : at + own + n] = [segment] * (own + n)
             if share:
-                prefixes[at : at + n] = [piece_id] * n
+                prefixes[at : at + own + n] = [piece_id] * (own + n)
             # read 0 sits on the prompt's last slot, read j on the slot of response token j - 1
-            r = read0
-            read_pos[r : r + span] = [last_prompt, *range(slot + cursor, slot + cursor + n)]
+            r, cursor = read0, cursor + own
+            read_pos[r : r + span] = [slot + cursor - 1 if own else last_prompt,
+                                      *range(slot + cursor, slot + cursor + n)]
             read_src[r : r + span] = range(i * response_len, i * response_len + span)
             read_token[r : r + span] = range(i * s + prompt_len, i * s + prompt_len + span)
             read_micro[r : r + span] = [g] * span

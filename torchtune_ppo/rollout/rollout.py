@@ -31,7 +31,7 @@ from torchtune_ppo import distributed
 from torchtune_ppo.rewards.functions import FunctionReward
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rlhf import ScoringSettings, Trajectory, concat_trajectories, truncate_after_stop_token
-from torchtune_ppo.rlhf.packing import logprob_chunks, shared_row_len
+from torchtune_ppo.rlhf.packing import logprob_chunks, prefix_row_len, prompt_prefix, shared_row_len
 from torchtune_ppo.rollout.generation import Generator
 from torchtune_ppo.rollout.scoring import PackedScoring, packed_score_trajectory, plan_scoring
 from torchtune_ppo.rollout.turns import EpisodeOutput, EpisodeStats, TurnRunner, episode_texts
@@ -68,6 +68,9 @@ class Rollout:
             (:mod:`torchtune_ppo.rollout.turns`) instead of one response per prompt: each row is
             scored whole, observation tokens masked out of everything but attention, and the
             environment's step rewards added to its score. Not with ``fused_rollout``.
+        share_prefix (bool): without groups, the tokens every prompt of a scoring chunk begins
+            with are packed once per row (:func:`~torchtune_ppo.rollout.scoring.plan_scoring`'s
+            ``common_prefix``; ``share_prompt_prefix``). Ignored with groups or ``fused_rollout``.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Rollout:
         reference: Optional[Callable[[], ContextManager]] = None,
         recompute_logprobs: bool = False,
         turns: Optional[TurnRunner] = None,
+        share_prefix: bool = False,
     ) -> None:
         if not isinstance(reward, (ModelReward, FunctionReward)):
             raise TypeError(f"Rollout: reward must be a ModelReward or a FunctionReward, got {type(reward).__name__}.")
@@ -116,8 +120,12 @@ class Rollout:
         # one prompt copy per row for a group's responses, in rows the scoring models can take
         self._group_size = max(1, generator.group_size)
         limits = [getattr(m, "max_seq_len", None) for m in self._scoring_models]
-        self._row_len = shared_row_len(settings.prompt_len, generator.max_generated_tokens, self._group_size,
-                                       min((x for x in limits if isinstance(x, int)), default=None))
+        max_seq_len = min((x for x in limits if isinstance(x, int)), default=None)
+        self._share_prefix = share_prefix and self._group_size == 1  # or one copy of the prefix all prompts share
+        self._row_len = (prefix_row_len(settings.prompt_len, generator.max_generated_tokens, max_seq_len)
+                         if self._share_prefix else
+                         shared_row_len(settings.prompt_len, generator.max_generated_tokens, self._group_size,
+                                        max_seq_len))
 
     @property
     def _reward_model(self) -> Optional[nn.Module]:
@@ -237,10 +245,13 @@ class Rollout:
         plans, start = [], 0
         for lens in prompt_lens:
             end = start + len(lens)
+            prefix = (prompt_prefix(outputs[len(plans)].query_responses, host[0][start:end], P)
+                      if self._share_prefix else None)
             plan = plan_scoring(host[0][start:end], host[1][start:end], prompt_len=P, response_len=T,
                                 num_chunks=self._num_chunks, device=device, group_size=self._group_size,
-                                row_len=self._row_len if self._group_size > 1 else None)
-            plans.append(plan.mark_dynamic())  # eager scoring ignores the marks
+                                row_len=self._row_len if self._group_size > 1 or self._share_prefix else None,
+                                common_prefix=prefix)
+            plans.append(plan.mark_dynamic(length=self._share_prefix))  # eager scoring ignores the marks
             start = end
         return plans
 

@@ -28,6 +28,9 @@ group's prompt is packed once per row, followed by its responses
 own earlier tokens (``prefix_ids``), its positions continue from the prompt's length, and its
 first token is read at the prompt's last slot. Rows are then
 :func:`~torchtune_ppo.rlhf.packing.shared_row_len` long (``P + k * T``) instead of ``P + T``.
+Without groups, ``common_prefix`` tokens that every prompt of the chunk begins with can be packed
+once per row the same way, each sequence's other prompt tokens then its response following
+(:func:`~torchtune_ppo.rlhf.packing.prefix_row_len` long rows).
 """
 
 from typing import NamedTuple, Optional, Sequence
@@ -39,7 +42,8 @@ from torchtune_ppo import lora, rlhf
 from torchtune_ppo._patches.dynamo import mark_dynamic
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states
 from torchtune_ppo.rlhf import ScoringSettings, Trajectory, block_causal_masks, finish_trajectory, truncated
-from torchtune_ppo.rlhf.packing import MIN_SIZE, plan_micro_steps, share_prompts, shared_row_len, to_device
+from torchtune_ppo.rlhf.packing import (MIN_SIZE, plan_micro_steps, prefix_pieces, prefix_row_len, share_prompts,
+                                        shared_row_len, to_device)
 
 
 class PackedScoring(NamedTuple):
@@ -73,10 +77,11 @@ class PackedScoring(NamedTuple):
     last_positions: torch.Tensor
     prefix_ids: Optional[torch.Tensor] = None
 
-    def mark_dynamic(self) -> "PackedScoring":
-        """Rows ``R`` and chunk length ``K`` dynamic for ``torch.compile`` (both at least 2)."""
+    def mark_dynamic(self, length: bool = False) -> "PackedScoring":
+        """Rows ``R`` and chunk length ``K`` dynamic for ``torch.compile`` (both at least 2);
+        ``length``: the row length ``L`` too (rows cut to what they hold: ``common_prefix``)."""
         prefix = () if self.prefix_ids is None else (self.prefix_ids,)
-        return mark_dynamic(self, rows=(*self[:3], *prefix), reads=self[3:5])
+        return mark_dynamic(self, rows=(*self[:3], *prefix), reads=self[3:5], length=length)
 
 
 def plan_scoring(
@@ -89,6 +94,7 @@ def plan_scoring(
     device: torch.device,
     group_size: int = 1,
     row_len: Optional[int] = None,
+    common_prefix: Optional[int] = None,
 ) -> PackedScoring:
     """Packs one scoring chunk's sequences: placement on the host, index tensors on ``device``.
 
@@ -103,7 +109,11 @@ def plan_scoring(
         group_size (int): ``n`` > 1: rows ``[g * n, (g + 1) * n)`` share one prompt, packed
             once per row before their responses; 1: each row's own prompt.
         row_len (Optional[int]): ``L``; None: ``P + T``, or
-            :func:`~torchtune_ppo.rlhf.packing.shared_row_len` with ``group_size`` > 1.
+            :func:`~torchtune_ppo.rlhf.packing.shared_row_len` with ``group_size`` > 1, or
+            :func:`~torchtune_ppo.rlhf.packing.prefix_row_len` with ``common_prefix``.
+        common_prefix (Optional[int]): with ``group_size`` 1, the tokens every prompt begins
+            with (:func:`~torchtune_ppo.rlhf.packing.prompt_prefix`; 0 allowed), packed once per
+            row; None: not shared.
 
     Returns:
         PackedScoring: ``R`` = the rows used (at most ``b``, at least 2), ``K`` = the reads
@@ -113,20 +123,29 @@ def plan_scoring(
         ValueError: a row has no real prompt token (the config checks reject such data).
     """
     s = prompt_len + response_len
-    share = group_size > 1
+    by_prefix = common_prefix is not None and group_size == 1
+    share = group_size > 1 or by_prefix
     if row_len is None:
-        row_len = shared_row_len(prompt_len, response_len, group_size) if share else s
+        row_len = (shared_row_len(prompt_len, response_len, group_size) if group_size > 1 else
+                   prefix_row_len(prompt_len, response_len) if by_prefix else s)
     b = len(prompt_lens)
     if b and min(prompt_lens) < 1:
         raise ValueError(f"packed scoring needs at least one real prompt token per row, got {list(prompt_lens)}")
-    # A piece: one prompt copy, then the valid tokens of its rows' responses (one row unshared).
+    # A piece: one copy of a prompt (or of the prefix all prompts share), then its rows' other
+    # prompt tokens and valid response tokens (one row unshared).
     total_reads = max(sum(valid_counts), 1)
-    if share:
+    prefix = min([common_prefix, *prompt_lens]) if by_prefix else None
+    if group_size > 1:
         pieces = share_prompts(range(b), prompt_lens, valid_counts, valid_counts, group_size=group_size,
                                row_len=row_len, max_reads=total_reads)
+    elif by_prefix:  # balanced pieces, the rows cut to the longest
+        pieces, length = prefix_pieces([q - prefix + v for q, v in zip(prompt_lens, valid_counts)], valid_counts,
+                                       shared_len=prefix, row_len=row_len, max_reads=total_reads)
+        row_len = max(length, MIN_SIZE)
     else:
         pieces = [[i] for i in range(b)]
-    counts = [prompt_lens[p[0]] + sum(valid_counts[i] for i in p) for p in pieces]
+    copies = [prompt_lens[p[0]] if prefix is None else prefix for p in pieces]  # each piece's shared slots
+    counts = [c + sum(prompt_lens[i] - c + valid_counts[i] for i in p) for p, c in zip(pieces, copies)]
     # One micro-step of up to b rows: every piece fits a row, so all of them fit.
     places, (rows,), _ = plan_micro_steps(counts, [sum(valid_counts[i] for i in p) for p in pieces],
                                           rows=max(b, 1), row_len=row_len, max_reads=total_reads)
@@ -140,25 +159,27 @@ def plan_scoring(
     read_index = [0] * (b * response_len)
     last_positions = [0] * b
     read = 0
-    for piece_id, (piece, (_, slot, _)) in enumerate(zip(pieces, places)):
-        p = prompt_lens[piece[0]]
-        first = piece[0] * s + prompt_len - p  # flat index of the prompt's first real token
+    for piece_id, (piece, (_, slot, _), p) in enumerate(zip(pieces, places, copies)):
+        first = piece[0] * s + prompt_len - prompt_lens[piece[0]]  # the prompt's first real token
         token_src[slot : slot + p] = range(first, first + p)
         positions[slot : slot + p] = range(p)
         segments[slot : slot + p] = [piece_id if share else piece[0]] * p
         if share:
             prefixes[slot : slot + p] = [piece_id] * p
-        at = slot + p  # the slot of the next response's first token
+        at = slot + p  # the slot of the next row's first own token
         for i in piece:
-            v = valid_counts[i]
-            token_src[at : at + v] = range(i * s + prompt_len, i * s + prompt_len + v)
-            positions[at : at + v] = range(p, p + v)
-            segments[at : at + v] = [len(pieces) + i if share else i] * v
+            v, q = valid_counts[i], prompt_lens[i]
+            own, segment = q - p, len(pieces) + i if share else i  # own: prompt tokens after the copy
+            token_src[at : at + own] = range(i * s + prompt_len - own, i * s + prompt_len)
+            token_src[at + own : at + own + v] = range(i * s + prompt_len, i * s + prompt_len + v)
+            positions[at : at + own + v] = range(p, q + v)
+            segments[at : at + own + v] = [segment] * (own + v)
             if share:
-                prefixes[at : at + v] = [piece_id] * v
+                prefixes[at : at + own + v] = [piece_id] * (own + v)
             # response token j is predicted at the slot before it: the prompt's last for j = 0
+            at += own
             read_pos[read : read + v] = range(at - 1, at - 1 + v)
-            read_pos[read] = slot + p - 1
+            read_pos[read] = at - 1 if own else slot + p - 1
             read_targets[read : read + v] = range(i * response_len, i * response_len + v)
             read_index[i * response_len : i * response_len + v] = range(read, read + v)
             last_positions[i] = at + v - 1

@@ -24,7 +24,7 @@ from torchtune import config as tt_config
 from torchtune_ppo import distributed, lora
 from torchtune_ppo.config import share_group_prompt, shares_reward_value_base
 from torchtune_ppo.rlhf import uses_value_model
-from torchtune_ppo.rlhf.packing import default_rows, shared_row_len, shared_rows
+from torchtune_ppo.rlhf.packing import default_rows, prefix_row_len, prefix_rows, shared_row_len, shared_rows
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # torch.optim.AdamW keeps two states per parameter in the parameter's dtype; SGD with momentum
@@ -144,7 +144,10 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     optimizer state or activations, and only the reward model (if any) beside the policies.
 
     With shared group prompts (``share_group_prefill``) the micro-step's rows are the shared
-    ones, each group's prompt counted once per row (:func:`~torchtune_ppo.rlhf.packing.shared_rows`).
+    ones, each group's prompt counted once per row (:func:`~torchtune_ppo.rlhf.packing.shared_rows`);
+    with the prefix every prompt shares packed once a row (``share_prompt_prefix: true``), those of
+    :func:`~torchtune_ppo.rlhf.packing.prefix_rows`, counted with an empty prefix (the most slots
+    they can take; with ``null`` the plan counts unshared rows, the same slots up to rounding).
     """
     W = world_size
     dtype_bytes = _DTYPE_BYTES[cfg.dtype]
@@ -180,6 +183,11 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
         P, T = seq_len - cfg.max_generated_tokens, cfg.max_generated_tokens
         row_len = shared_row_len(P, T - 1, cfg.num_samples_per_prompt, getattr(policy, "max_seq_len", None))
         rows_per_step = shared_rows(micro, row_len, P, T - 1)
+    elif cfg.get("share_prompt_prefix"):
+        # the prefix all prompts share once a row (share_prompt_prefix): rows 4x as long
+        P, T = seq_len - cfg.max_generated_tokens, cfg.max_generated_tokens
+        row_len = prefix_row_len(P, T - 1, getattr(policy, "max_seq_len", None))
+        rows_per_step = prefix_rows(micro, row_len, P, T - 1)
     embed_dim = policy.tok_embeddings.embedding_dim
     vocab = policy.tok_embeddings.num_embeddings
     per_token_layer = (2 if cfg.enable_activation_checkpointing else 16) * embed_dim
