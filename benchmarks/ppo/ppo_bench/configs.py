@@ -42,6 +42,8 @@ def ours_config(args: argparse.Namespace, output_dir: Path, dtype: Optional[str]
         "save_every_n_steps": None,
         "log_every_n_steps": 1,
         "compile": False,
+        # no evaluation: the rows time PPO steps (and a workload's data may have no held-out split)
+        "eval": {"every_n_steps": None, "before_training": False},
     }
     if args.max_prompt_len:
         sizes["max_prompt_len"] = args.max_prompt_len
