@@ -22,6 +22,7 @@ from torchtune_ppo.rlhf import ScoringSettings, packing
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rollout.fused import score_trajectory
 from torchtune_ppo.rollout.scoring import packed_score_trajectory, plan_scoring
+from test_shared_prompt import _NoTimer, _assert_close, _assert_trajectories_close, scoring_models  # noqa: F401
 
 P, T = 9, 6
 STOP = torch.tensor([EOS_ID])
@@ -68,24 +69,6 @@ def _score(qr, prompt_lens, models, prefix=None, row_len=None, score=packed_scor
     with torch.no_grad():
         return score(qr, prompt_lens, None, policy, ref, value, reward, STOP, plan.mark_dynamic(prefix is not None),
                      SETTINGS), plan
-
-
-def _assert_trajectories_close(a, b):
-    for name, x, y in zip(b._fields, a, b):
-        if y is None:
-            assert x is None, name
-        elif y.is_floating_point():
-            torch.testing.assert_close(x, y, atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
-        else:
-            assert torch.equal(x, y), name
-
-
-@pytest.fixture(scope="module")
-def scoring_models():
-    models = tiny_policy(0), tiny_policy(1), tiny_classifier(1), tiny_classifier(2)
-    for m in models:
-        m.eval().requires_grad_(False)
-    return models
 
 
 def _real_slots(plan_or_steps):
@@ -226,16 +209,6 @@ def _loss_and_grads(step_fn, policy, value, traj, adv, ret, micro_batches, *, sh
     return total, packing.micro_batch_stats(stats), grads, steps, lengths
 
 
-def _assert_close(a, b):
-    torch.testing.assert_close(a[0], b[0], atol=ATOL, rtol=0)
-    for sa, sb in zip(a[1], b[1]):
-        for name, x, y in zip(rlhf.PPOStats._fields, sa, sb):
-            torch.testing.assert_close(x, y, atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
-    assert a[2].keys() == b[2].keys() and a[2]
-    for name in b[2]:
-        torch.testing.assert_close(a[2][name], b[2][name], atol=ATOL, rtol=0, msg=name)
-
-
 ORDER = [3, 7, 0, 9, 1, 5, 2, 8, 4, 6]
 
 
@@ -297,12 +270,6 @@ def test_compiled_prefix_regions_match_eager_without_recompiles(monkeypatch, sco
         if k == 0:
             counter.mark()
     assert counter.since_mark == 0
-
-
-class _NoTimer:
-    def __call__(self, phase):
-        import contextlib
-        return contextlib.nullcontext()
 
 
 def test_prefix_update_matches_unshared():
