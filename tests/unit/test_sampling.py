@@ -98,3 +98,27 @@ def test_a_zero_noise_draw_never_picks_a_filtered_token():
     noise[:, 2] = 0.0
     token, _ = sample(logits[:2], noise, top_k=3, top_p=0.6)
     assert token.tolist() == [1, 1]
+
+
+def test_exponential_noise_draws_what_torch_exponential_draws():
+    """The fast CPU draws are torch's ``exponential_`` draws from the same generator state, bit
+    for bit, so seeded runs sample what they sampled before; and the state moves on alike."""
+    from torchtune_ppo.rollout.sampling import exponential_noise
+
+    ours, theirs = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for shape in [(16, 49152), (3, 5, 7)]:
+        got = exponential_noise(torch.empty(shape), ours)
+        assert torch.equal(got, torch.empty(shape).exponential_(generator=theirs))
+    assert torch.equal(ours.get_state(), theirs.get_state())
+    assert not torch.equal(got, exponential_noise(torch.empty(3, 5, 7), torch.Generator().manual_seed(4)))
+
+
+def test_exponential_noise_resolves_the_smallest_draws():
+    """The race's winners come from the smallest draws: below 1e-6 they must not sit on the
+    2**-24 grid of float32 uniforms (17 values there), where ~17 draws of 2**24 would collide."""
+    from torchtune_ppo.rollout.sampling import exponential_noise
+
+    draws = exponential_noise(torch.empty(1 << 24), torch.Generator().manual_seed(0))
+    small = draws[draws < 1e-6]
+    assert 4 <= small.numel() <= 40  # Poisson(16.8)
+    assert small.unique().numel() == small.numel()

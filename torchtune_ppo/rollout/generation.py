@@ -33,7 +33,7 @@ from torchtune_ppo._patches.dynamo import skip_guard_checks
 from torchtune_ppo._patches.torchtune_modules import StaticKVCache, final_hidden_states
 from torchtune_ppo.config import check_sampling, check_whole_groups
 from torchtune_ppo.rlhf import truncate_after_stop_token
-from torchtune_ppo.rollout.sampling import sample
+from torchtune_ppo.rollout.sampling import exponential_noise, sample
 
 __all__ = ["GenerationInputs", "GenerationOutput", "GenerationSteps", "Generator", "extend",
            "generate_next_token", "prefill", "prefill_group"]
@@ -391,8 +391,8 @@ class Generator:
         if self.greedy:
             return None
         if steps is None:
-            return self._noise.exponential_(generator=rng)
-        return torch.empty(steps, *self._noise.shape, device=self.device).exponential_(generator=rng)
+            return exponential_noise(self._noise, rng)
+        return exponential_noise(torch.empty(steps, *self._noise.shape, device=self.device), rng)
 
     @torch.no_grad()
     def generate(

@@ -4,7 +4,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["sample"]
+__all__ = ["exponential_noise", "sample"]
 
 
 def sample(
@@ -52,6 +52,24 @@ def sample(
         token = choice if cand_idx is None else cand_idx.gather(-1, choice[:, None])[:, 0]
     logprob = logprobs.gather(-1, token[:, None])[:, 0]
     return token, logprob
+
+
+def exponential_noise(out: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Fills ``out`` (float32) with Exponential(1) draws in place and returns it.
+
+    On CUDA this is ``out.exponential_()``. torch's CPU ``exponential_`` runs on one thread
+    at ~55M draws/s: 14 ms for a ``[16, 49152]`` SmolLM2 decode step, half the time of that
+    step's matrix products in bf16. On the CPU the draws are ``-log1p(-u)`` of float64
+    uniforms ``u`` in [0, 1), vectorised (4 ms): bit for bit what ``exponential_`` draws
+    from the same generator state (its kernel computes the same, one draw at a time), 0 only
+    when ``u == 0`` (2**-53). float64 matters: the race is decided by the smallest draws, and
+    float32 uniforms sit on a grid of 2**-24, which would make one draw in 16.8M exactly 0,
+    letting a token of any probability win its row.
+    """
+    if out.device.type != "cpu":
+        return out.exponential_(generator=generator)
+    u = torch.empty(out.shape, dtype=torch.float64).uniform_(generator=generator)
+    return out.copy_(torch.log1p(u.neg_(), out=u)).neg_()
 
 
 def _top_p_filter(scores: torch.Tensor, top_p: float, *, is_sorted: bool) -> torch.Tensor:
