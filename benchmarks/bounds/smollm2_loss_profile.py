@@ -3,58 +3,115 @@
 Random weights, fp32 or bf16 (``--dtype``), the ``bench_ppo.py --smollm2`` micro-step: 8 packed rows of 43 tokens,
 the policy's logprobs at 96 reads (tied output layer, log-softmax), the value model's head at
 the same reads, backward through both. Prints the step's time, ``aten::mm``'s share of the
-profiled self time, and the op table.
+profiled self time, and the op table. ``--compile`` compiles the forward as the recipe's
+``compile.loss_step`` does (inductor, static shapes; AOTAutograd compiles the backward) and
+names inductor's own kernels in the table (``cpp.enable_kernel_profile``); its first call
+compiles for minutes on 2 cores. bf16 models get the recipe's token embeddings
+(``Fp32GradEmbedding``); ``--plain-embeddings`` keeps ``nn.Embedding``. ``--ab N`` profiles
+nothing: it builds both kinds side by side and times N rounds of their micro-steps alternating
+(``benchmarks/bench_common``), the speed-up with its interval.
 
-    OMP_NUM_THREADS=1 python benchmarks/bounds/smollm2_loss_profile.py [--dtype bf16]
+    OMP_NUM_THREADS=1 python benchmarks/bounds/smollm2_loss_profile.py [--dtype bf16] [--compile]
+    python benchmarks/bounds/smollm2_loss_profile.py --dtype bf16 --compile --ab 12
 """
 
 import argparse
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states, use_fp32_attention
+from torchtune_ppo.compile import maybe_compile
 from torchtune_ppo.models import smollm2_135m, smollm2_135m_classifier
+from torchtune_ppo.models.embedding import use_fp32_grad_embeddings
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+from bench_common.interleave import round_order  # noqa: E402
+from bench_common.stats import format_ratio, summarize_ratios  # noqa: E402
 
 R, L, K, VOCAB = 8, 43, 96, 49152
+
+
+def micro_step(dtype: torch.dtype, *, compiled: bool, fp32_grad_embeddings: bool):
+    """The micro-step (forward, backward, gradients freed) on a new policy and value model."""
+    torch.manual_seed(0)
+    policy = smollm2_135m(max_seq_len=256).to(dtype)
+    value = smollm2_135m_classifier(max_seq_len=256).to(dtype)
+    if dtype == torch.bfloat16:  # as the recipe builds bf16 models on CPU (models/build.py)
+        use_fp32_attention(policy), use_fp32_attention(value)
+        if fp32_grad_embeddings:
+            use_fp32_grad_embeddings(policy), use_fp32_grad_embeddings(value)
+    tokens = torch.randint(0, VOCAB, (R, L))
+    mask = torch.tril(torch.ones(L, L, dtype=torch.bool)).expand(R, L, L)
+    pos = torch.arange(L).expand(R, L)
+    reads, targets = torch.randint(0, R * L, (K,)), torch.randint(0, VOCAB, (K,))
+
+    def forward():
+        h = final_hidden_states(policy, tokens, mask=mask, input_pos=pos).reshape(R * L, -1)[reads]
+        logprobs = torch.log_softmax(policy.output(h).float(), -1).gather(1, targets[:, None])
+        hv = final_hidden_states(value, tokens, mask=mask, input_pos=pos).reshape(R * L, -1)[reads]
+        return logprobs.sum() + value.output(hv).square().sum()
+
+    loss_fn = maybe_compile(forward, enabled=compiled)
+
+    def step():
+        loss_fn().backward()
+        policy.zero_grad(set_to_none=True)
+        value.zero_grad(set_to_none=True)
+
+    return step
+
+
+def ab(dtype: torch.dtype, compiled: bool, rounds: int) -> None:
+    steps = {name: micro_step(dtype, compiled=compiled, fp32_grad_embeddings=name == "Fp32GradEmbedding")
+             for name in ("nn.Embedding", "Fp32GradEmbedding")}
+    times = {name: [] for name in steps}
+    for i in range(2 + rounds):  # 2 warm-up rounds (the first compiles)
+        for name in round_order(list(steps), i):
+            start = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - start)
+    for name, ts in times.items():
+        print(f"{'compiled' if compiled else 'eager'} micro-step, {name}: {statistics.median(ts[2:]):.3f} s")
+    ratio = summarize_ratios([a / b for a, b in zip(times["nn.Embedding"][2:], times["Fp32GradEmbedding"][2:])])
+    print(f"  speed-up {format_ratio(ratio)} over {rounds} pairs")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                     help="the models' weights and compute (bf16: AMX where the CPU has it)")
+    ap.add_argument("--compile", action="store_true", help="compile the forward (and so the backward)")
+    ap.add_argument("--plain-embeddings", action="store_true", help="bf16: keep nn.Embedding")
+    ap.add_argument("--ab", type=int, default=0, metavar="N", help="time N rounds of both embeddings instead")
+    ap.add_argument("--rows", type=int, default=14, help="rows of the op table")
     args = ap.parse_args()
-    torch.manual_seed(0)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    policy = smollm2_135m(max_seq_len=256).to(dtype)
-    value = smollm2_135m_classifier(max_seq_len=256).to(dtype)
-    if dtype == torch.bfloat16:  # as the recipe builds bf16 models on CPU (models/build.py)
-        use_fp32_attention(policy), use_fp32_attention(value)
-    tokens = torch.randint(0, VOCAB, (R, L))
-    mask = torch.tril(torch.ones(L, L, dtype=torch.bool)).expand(R, L, L)
-    pos = torch.arange(L).expand(R, L)
-    reads, targets = torch.randint(0, R * L, (K,)), torch.randint(0, VOCAB, (K,))
-
-    def step():
-        h = final_hidden_states(policy, tokens, mask=mask, input_pos=pos).reshape(R * L, -1)[reads]
-        logprobs = torch.log_softmax(policy.output(h).float(), -1).gather(1, targets[:, None])
-        hv = final_hidden_states(value, tokens, mask=mask, input_pos=pos).reshape(R * L, -1)[reads]
-        (logprobs.sum() + value.output(hv).square().sum()).backward()
-        policy.zero_grad(set_to_none=True)
-        value.zero_grad(set_to_none=True)
-
+    if args.ab:
+        return ab(dtype, args.compile, args.ab)
+    if args.compile:
+        torch._inductor.config.cpp.enable_kernel_profile = True
+    step = micro_step(dtype, compiled=args.compile, fp32_grad_embeddings=not args.plain_embeddings)
+    start = time.perf_counter()
+    step()
+    if args.compile:
+        print(f"first call (compiling) {time.perf_counter() - start:.1f} s")
     step()
     start = time.perf_counter()
     step()
-    print(f"eager micro-step {time.perf_counter() - start:.2f} s, {args.dtype}, {torch.get_num_threads()} threads")
+    print(f"{'compiled' if args.compile else 'eager'} micro-step {time.perf_counter() - start:.2f} s, {args.dtype}, "
+          f"{torch.get_num_threads()} threads")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     ops = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in ops)
     mm = sum(e.self_cpu_time_total for e in ops if e.key == "aten::mm")
     print(f"aten::mm: {mm / total:.0%} of the self time")
-    print(ops.table(sort_by="self_cpu_time_total", row_limit=14))
+    print(ops.table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
 if __name__ == "__main__":
