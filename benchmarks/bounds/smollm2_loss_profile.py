@@ -9,10 +9,14 @@ names inductor's own kernels in the table (``cpp.enable_kernel_profile``); its f
 compiles for minutes on 2 cores. bf16 models get the recipe's token embeddings
 (``Fp32GradEmbedding``); ``--plain-embeddings`` keeps ``nn.Embedding``. ``--ab N`` profiles
 nothing: it builds both kinds side by side and times N rounds of their micro-steps alternating
-(``benchmarks/bench_common``), the speed-up with its interval.
+(``benchmarks/bench_common``), the speed-up with its interval. ``--grad-alone`` times the token
+embedding's backward alone (the micro-step's 344 token rows into a ``[49152, 576]`` gradient),
+bf16 and fp32, compiled and eager, and prints how far torch's bf16 kernel lands from the fp32 sum
+when tokens repeat (20 distinct ones).
 
     OMP_NUM_THREADS=1 python benchmarks/bounds/smollm2_loss_profile.py [--dtype bf16] [--compile]
     python benchmarks/bounds/smollm2_loss_profile.py --dtype bf16 --compile --ab 12
+    python benchmarks/bounds/smollm2_loss_profile.py --grad-alone
 """
 
 import argparse
@@ -22,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states, use_fp32_attention
@@ -81,6 +86,47 @@ def ab(dtype: torch.dtype, compiled: bool, rounds: int) -> None:
     print(f"  speed-up {format_ratio(ratio)} over {rounds} pairs")
 
 
+def grad_alone() -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (R * L,))
+
+    def backward(emb, out_grad, ids=ids):
+        emb.weight.grad = None
+        (emb(ids) * out_grad).sum().backward()
+
+    def loss(emb, out_grad):
+        return (emb(ids) * out_grad).sum()
+
+    compiled_loss = torch.compile(loss)
+
+    def compiled(emb, out_grad):
+        emb.weight.grad = None
+        compiled_loss(emb, out_grad).backward()
+
+    for dtype in (torch.bfloat16, torch.float32):
+        out_grad = torch.randn(R * L, 576).to(dtype)
+        plain = nn.Embedding(VOCAB, 576).to(dtype)
+        ours = nn.Embedding(VOCAB, 576).to(dtype)
+        use_fp32_grad_embeddings(ours)
+        rows = {"nn.Embedding compiled": (compiled, plain), "nn.Embedding eager": (backward, plain),
+                "Fp32GradEmbedding compiled": (compiled, ours)}
+        times = {name: [] for name in rows}
+        for i in range(24):  # the first 4 rounds warm up (and compile)
+            for name in round_order(list(rows), i):
+                fn, emb = rows[name]
+                start = time.perf_counter()
+                fn(emb, out_grad)
+                times[name].append(time.perf_counter() - start)
+        print(", ".join(f"{name} {statistics.median(ts[4:]) * 1e3:.1f} ms" for name, ts in times.items()),
+              f"({dtype}, {torch.get_num_threads()} threads)")
+    few = torch.randint(0, 20, (R * L,))
+    out_grad = torch.randn(R * L, 576).to(torch.bfloat16)
+    exact = torch.zeros(VOCAB, 576, dtype=torch.float64).index_add_(0, few, out_grad.double())
+    backward(plain := nn.Embedding(VOCAB, 576).to(torch.bfloat16), out_grad, few)
+    print(f"20 distinct tokens: torch's bf16 kernel {(plain.weight.grad.double() - exact).abs().max():.3f} off "
+          f"the exact sum, one rounding of it {(exact.bfloat16().double() - exact).abs().max():.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
@@ -88,9 +134,12 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="compile the forward (and so the backward)")
     ap.add_argument("--plain-embeddings", action="store_true", help="bf16: keep nn.Embedding")
     ap.add_argument("--ab", type=int, default=0, metavar="N", help="time N rounds of both embeddings instead")
+    ap.add_argument("--grad-alone", action="store_true", help="time the embedding's backward alone instead")
     ap.add_argument("--rows", type=int, default=14, help="rows of the op table")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.grad_alone:
+        return grad_alone()
     if args.ab:
         return ab(dtype, args.compile, args.ab)
     if args.compile:
