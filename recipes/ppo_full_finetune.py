@@ -146,7 +146,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                        score=regions.score, fused_rollout=regions.fused_rollout,
                        whole_scoring_models=regions.whole_scoring_models, reference=self._models.reference,
                        recompute_logprobs=cfg.rollout_correction.mode is not None,  # TIS / MIS
-                       turns=TurnRunner.from_config(cfg, generator, self._tokenizer), share_prefix=self._prefix)
+                       turns=TurnRunner.from_config(cfg, generator, self._tokenizer), share_prefix=self._prefix,
+                       segment_attention=cfg.segment_attention)  # packed rows attend by sequence
 
     def _setup_update(self, cfg: DictConfig, regions: compiling.Regions) -> PPOUpdate:
         models, rows = self._models.trained, self._rows_per_step
@@ -170,7 +171,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             clip_grad_norm=cfg.clip_grad_norm, optimizer_in_bwd=cfg.optimizer_in_bwd,
             critic_warmup_steps=cfg.critic_warmup_steps,  # the first N steps train the value model only
             fixed_shapes=regions.loss_step_fixed_shapes, master_weights=self._master, share_prefix=self._prefix,
-        )
+            segment_attention=cfg.segment_attention)
 
     def train_step(
         self, prompts: torch.Tensor, prompt_lens: torch.Tensor, num_truncated: int,

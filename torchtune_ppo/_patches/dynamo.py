@@ -61,6 +61,16 @@ def mark_dynamic(packed: T, *, rows: Sequence[torch.Tensor], reads: Sequence[tor
     return packed
 
 
+def mark_layout_dynamic(layout: T) -> T:
+    """Marks a :class:`~torchtune_ppo._patches.torchtune_modules.SegmentLayout`'s sizes dynamic:
+    its sequences ``S`` (dim 0 of each), queries ``Lq`` and keys ``Lk``. Returns ``layout``."""
+    q_index, kv_index, mask, _ = layout
+    torch._dynamo.mark_dynamic(q_index, [0, 1])
+    torch._dynamo.mark_dynamic(kv_index, [0, 1])
+    torch._dynamo.mark_dynamic(mask, [0, 1, 2])
+    return layout
+
+
 def skip_guard_checks(enabled: bool) -> ContextManager:
     """Skips guard evaluation of already-compiled regions inside the ``with`` block.
 

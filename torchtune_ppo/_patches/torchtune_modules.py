@@ -16,7 +16,8 @@ up to the final norm, for the loss step, which projects only the positions it re
 """
 
 import contextlib
-from typing import Iterator, List, Optional
+import functools
+from typing import Iterator, List, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -112,6 +113,78 @@ def use_fp32_attention(model: nn.Module) -> int:
     return len(attns)
 
 
+class SegmentLayout(NamedTuple):
+    """Packed rows' attention as one block per packed sequence, handed to the layers as their
+    ``mask`` (built by :func:`torchtune_ppo.rlhf.segments.segment_layout`).
+
+    A block-diagonal mask over a row of ``L`` slots costs ``L * L`` scores however few of them
+    it keeps; here each of the ``S`` sequences attends only its own slots and its prefix's
+    (``Lq`` queries, ``Lk`` keys), so rows holding several sequences compute what the mask
+    keeps and little more. Every slot's output is what the mask :func:`block_causal_masks`
+    builds would give, except unused slots (one-token segments no read depends on), whose
+    output is some used slot's.
+
+    Attributes:
+        q_index (torch.Tensor): ``[S, Lq]`` flat slot (into ``R * L``) of each sequence's
+            queries in order; slot 0 past its length.
+        kv_index (torch.Tensor): ``[S, Lk]`` its keys: its prefix's slots from column 0, its own
+            from a fixed column on; slot 0 where unused.
+        mask (torch.Tensor): bool ``[S, Lq, Lk]``, the keys each query sees (padded queries see
+            column 0 only, so no row of scores is empty).
+        out_index (torch.Tensor): ``[R, L]`` flat index into the ``S * Lq`` outputs of each
+            slot's (0 for unused slots).
+    """
+
+    q_index: torch.Tensor
+    kv_index: torch.Tensor
+    mask: torch.Tensor
+    out_index: torch.Tensor
+
+
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SegmentLayout, dropout_p: float
+) -> torch.Tensor:
+    """Attention of packed rows by sequence (:class:`SegmentLayout`), through :func:`sdpa`.
+    q/k/v: [R, H, L, D] -> [R, H, L, D]."""
+    b, h, s, d = q.shape
+
+    def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # -> [S, H, l, D]
+        return x.transpose(1, 2).reshape(b * s, h, d)[index].transpose(1, 2)
+
+    kv = layout.kv_index
+    out = sdpa(gather(q, layout.q_index), gather(k, kv), gather(v, kv), layout.mask[:, None], dropout_p, False)
+    return out.transpose(1, 2).flatten(0, 1)[layout.out_index].transpose(1, 2)
+
+
+def _segments_or(inner, q, k, v, mask, dropout_p, is_causal):
+    if isinstance(mask, SegmentLayout):
+        return segment_attention(q, k, v, mask, dropout_p)
+    return inner(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
+def use_segment_attention(model: nn.Module) -> int:
+    """Every torchtune attention module of ``model`` takes a :class:`SegmentLayout` as its mask
+    (:func:`segment_attention`) besides what its attention call took before (a mask tensor or
+    None), which it still gets. Generation's :class:`StaticKVCache` keeps this as the call it
+    restores. Idempotent; returns how many modules were changed."""
+    attns = [m for m in model.modules() if hasattr(m, "_attention_call") and hasattr(m, "kv_cache")]
+    changed = 0
+    for attn in attns:
+        call = attn._attention_call
+        if not (isinstance(call, functools.partial) and call.func is _segments_or):
+            attn._attention_call = functools.partial(_segments_or, call)
+            changed += 1
+    return changed
+
+
+def accepts_segment_layouts(model: nn.Module) -> bool:
+    """Whether every attention module of ``model`` takes a :class:`SegmentLayout` as its mask
+    (:func:`use_segment_attention`); False for a model without attention modules."""
+    attns = [m for m in model.modules() if hasattr(m, "_attention_call") and hasattr(m, "kv_cache")]
+    return bool(attns) and all(isinstance(m._attention_call, functools.partial)
+                               and m._attention_call.func is _segments_or for m in attns)
+
+
 def final_hidden_states(
     model: TransformerDecoder,
     tokens: torch.Tensor,
@@ -126,7 +199,8 @@ def final_hidden_states(
     reads a logprob or a value. Decoder-only models; with KV caches enabled the layers fill
     them as the decoder's forward would (the generator's prefill); layers wrapped for
     activation checkpointing are called the same way.
-    tokens: [b, s], mask: bool [b, s, s], input_pos: [b, s] -> [b, s, D].
+    tokens: [b, s], mask: bool [b, s, s] or a :class:`SegmentLayout` (models prepared with
+    :func:`use_segment_attention`), input_pos: [b, s] -> [b, s, D].
     """
     if tokens.shape[1] > model.max_seq_len:
         raise ValueError(

@@ -21,7 +21,7 @@ from torch import nn
 from torchtune import config, modules, training, utils
 
 from torchtune_ppo import checkpointing, distributed, lora
-from torchtune_ppo._patches.torchtune_modules import use_fp32_attention
+from torchtune_ppo._patches.torchtune_modules import use_fp32_attention, use_segment_attention
 from torchtune_ppo.config import shares_reward_value_base
 from torchtune_ppo.models.embedding import use_fp32_grad_embeddings
 from torchtune_ppo.rlhf import uses_value_model
@@ -132,6 +132,7 @@ class _Builder:
             use_fp32_attention(model)  # CPU's bf16 flash-attention backward is slow (_patches)
             if trainable:  # the compiled embedding backward zeroes and rounds a [V, D] fp32 buffer
                 use_fp32_grad_embeddings(model)
+        use_segment_attention(model)  # packed rows may attend by sequence (rlhf.segments): after the above
         if trainable and cfg.enable_activation_checkpointing:
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
         if not trainable:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from torchtune_ppo import rlhf
-from torchtune_ppo._patches.torchtune_modules import final_hidden_states
+from torchtune_ppo._patches.torchtune_modules import SegmentLayout, final_hidden_states
 from torchtune_ppo.rlhf import block_causal_masks, kl_loss_estimate
 
 
@@ -35,6 +35,7 @@ def packed_ppo_loss_step(
     stat_weights: torch.Tensor,
     ref_logprobs: torch.Tensor,
     prefix_ids: Optional[torch.Tensor] = None,
+    attention: Optional[SegmentLayout] = None,
     *,
     temperature: float,
     epsilon: float,
@@ -80,6 +81,10 @@ def packed_ppo_loss_step(
             slot may also attend; None: rows without shared prompts. With shared prompts the
             prompt's activations are computed once and their gradient is the sum over the reads
             of the group's responses, as their own sequences would give it.
+        attention (Optional[SegmentLayout]): the rows' attention by sequence, for models prepared
+            with :func:`~torchtune_ppo._patches.torchtune_modules.use_segment_attention`: the same
+            outputs as the block-causal masks of ``segment_ids`` and ``prefix_ids``, for fewer
+            scores; None: those masks.
         temperature (float): sampling temperature of the trajectory.
         epsilon (float): policy ratio clip range.
         value_clip_range (float): value clip range.
@@ -100,7 +105,7 @@ def packed_ppo_loss_step(
         stat; and the policy's detached logprobs of the reads ``[C, K]`` (the trainer's side of
         the rollout/training mismatch).
     """
-    masks = block_causal_masks(segment_ids, prefix_ids)  # [R, L, L]
+    masks = block_causal_masks(segment_ids, prefix_ids) if attention is None else attention  # [R, L, L]
     h = final_hidden_states(policy_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
     pi_logprobs, entropy = rlhf.read_logprobs_and_entropy(
         policy_model.output, h, read_positions, targets, temperature, entropy_grad=entropy_coeff != 0)  # [C, K]

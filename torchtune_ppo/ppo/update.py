@@ -21,6 +21,7 @@ from torchtune_ppo import rlhf
 from torchtune_ppo.rlhf import Trajectory, packing
 from torchtune_ppo.rlhf.correction import MismatchStats, mismatch_stats
 from torchtune_ppo.rlhf.packing import PackedTokens
+from torchtune_ppo.rlhf.segments import check_segment_models
 
 log = utils.get_logger("INFO")
 
@@ -129,6 +130,14 @@ class PPOUpdate:
         share_prefix (bool): with ``group_size`` 1, the tokens every prompt of the step begins
             with are packed once per row (``share_prefix`` of
             :func:`~torchtune_ppo.rlhf.packing.pack_minibatch`; ``share_prompt_prefix``).
+        segment_attention (bool): packed rows attend by sequence
+            (:mod:`~torchtune_ppo.rlhf.segments`; ``segment_attention``) instead of through
+            block-causal masks; the models must take layouts
+            (:func:`~torchtune_ppo._patches.torchtune_modules.use_segment_attention`). Ignored
+            with ``fixed_shapes``, whose compiled step takes no dynamic size.
+
+    Raises:
+        ValueError: ``segment_attention`` with a model that does not take layouts.
     """
 
     def __init__(
@@ -155,7 +164,9 @@ class PPOUpdate:
         group_size: int = 1,
         share_prompts: bool = True,
         share_prefix: bool = False,
+        segment_attention: bool = False,
     ) -> None:
+        check_segment_models("PPOUpdate", segment_attention, {"policy": policy_model, "value": value_model})
         self.policy_model, self.value_model = policy_model, value_model
         self.optimizer, self.lr_scheduler, self.loss_step = optimizer, lr_scheduler, loss_step
         world = distributed.world_size()
@@ -177,6 +188,7 @@ class PPOUpdate:
         self.group_size = group_size
         self._share = group_size > 1 and share_prompts
         self._share_prefix = group_size == 1 and share_prefix
+        self._segments = segment_attention and not fixed_shapes
         limits = [getattr(m, "max_seq_len", None) for m in (policy_model, value_model) if m is not None]
         self._max_seq_len = min((x for x in limits if isinstance(x, int)), default=None)
 
@@ -266,7 +278,8 @@ class PPOUpdate:
         steps = packing.pack_minibatch(
             trajectory, advantages, returns, micro_batches, lengths,
             prompt_len=self._prompt_len, valid_totals=valid_totals, fixed_shapes=fixed,
-            aggregation=aggregation, num_sequences=num_sequences, **self._packing(len(micro_batches[0])),
+            aggregation=aggregation, num_sequences=num_sequences, segment_attention=self._segments,
+            **self._packing(len(micro_batches[0])),
         )
         self._packed_tokens.update(steps, lengths, micro_batches)
         step_stats, losses, gaps = [], [], []

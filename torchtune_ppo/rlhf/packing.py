@@ -50,8 +50,10 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from torchtune_ppo._patches.dynamo import mark_dynamic
+from torchtune_ppo._patches.dynamo import mark_dynamic, mark_layout_dynamic
+from torchtune_ppo._patches.torchtune_modules import SegmentLayout
 from torchtune_ppo.rlhf.loss import PPOStats, loss_weight
+from torchtune_ppo.rlhf.segments import segment_layout
 from torchtune_ppo.rlhf.trajectory import Trajectory
 
 
@@ -98,6 +100,9 @@ class PackedMicroStep(NamedTuple):
         ref_logprobs (torch.Tensor): ``[C, K]``, the reference policy's logprobs (the loss's KL).
         prefix_ids (Optional[torch.Tensor]): ``[R, L]``, the segment each slot may also attend
             (its group's prompt copy); None: rows without shared prompts.
+        attention (Optional[SegmentLayout]): the rows' attention by sequence
+            (:mod:`~torchtune_ppo.rlhf.segments`), the layers' mask instead of the block-causal
+            masks of ``segment_ids``; None: those masks.
     """
 
     tokens: torch.Tensor
@@ -114,13 +119,19 @@ class PackedMicroStep(NamedTuple):
     stat_weights: torch.Tensor
     ref_logprobs: torch.Tensor
     prefix_ids: Optional[torch.Tensor] = None
+    attention: Optional[SegmentLayout] = None
 
     def mark_dynamic(self, length: bool = False) -> "PackedMicroStep":
         """Rows ``R`` and chunk length ``K`` dynamic for ``torch.compile``: the compiled loss step
         traces one graph, symbolic in both, and every later length mix reuses it. ``length``:
-        the row length ``L`` too (rows cut to what they hold: ``share_prefix``)."""
+        the row length ``L`` too (rows cut to what they hold: ``share_prefix``). With
+        ``attention`` its sizes too (``S``, ``Lq``, ``Lk``)."""
         prefix = () if self.prefix_ids is None else (self.prefix_ids,)
-        return mark_dynamic(self, rows=(*self[:3], *prefix), reads=self[3:13], length=length)
+        layout = () if self.attention is None else (self.attention.out_index,)
+        mark_dynamic(self, rows=(*self[:3], *prefix, *layout), reads=self[3:13], length=length)
+        if self.attention is not None:
+            mark_layout_dynamic(self.attention)
+        return self
 
 
 # No micro-step has a dimension of size 1: the compiled step would specialise on it.
@@ -371,6 +382,7 @@ def pack_minibatch(
     group_size: int = 1,
     row_len: Optional[int] = None,
     share_prefix: bool = False,
+    segment_attention: bool = False,
 ) -> List[PackedMicroStep]:
     """The packed micro-steps of one minibatch: placement on the host, gathers on the device.
 
@@ -403,6 +415,8 @@ def pack_minibatch(
         share_prefix (bool): without groups, one copy per row of the ``lengths.common_prefix``
             tokens every prompt begins with, before several sequences (module docstring); the
             micro-steps then carry ``prefix_ids``.
+        segment_attention (bool): the micro-steps carry ``attention``, their rows' attention by
+            sequence (:func:`~torchtune_ppo.rlhf.segments.segment_layout`).
 
     Returns:
         List[PackedMicroStep]: one or more micro-steps, each with the rows and reads it uses.
@@ -498,6 +512,11 @@ def pack_minibatch(
             cursor, read0 = cursor + n, read0 + span
 
     device = trajectory.query_responses.device
+    layouts = [None] * len(step_slots)
+    if segment_attention:  # from the host lists, each micro-step's own slots
+        layouts = [SegmentLayout(*(to_device(t, device) for t in segment_layout(
+            segments[base : base + n], prefixes[base : base + n] if share else None, row_len=row_len)))
+            for base, n in zip(slot_base, step_slots)]
     index = to_device(torch.tensor([token_src, positions, segments, *([prefixes] if share else [])]), device)
     read_index = to_device(torch.tensor([read_pos, read_src, read_token, read_micro]), device)
     read_scale, read_weight = to_device(torch.tensor([read_scale, read_weight], dtype=torch.float32), device)
@@ -529,13 +548,14 @@ def pack_minibatch(
     )
     # Separate contiguous tensors per micro-step, each starting at offset 0.
     row_splits = [n // row_len for n in step_slots]
-    split = [None if t is None else t.split(row_splits if t.dim() == 2 else step_reads) for t in packed]
+    split = [None if t is None else t.split(row_splits if t.dim() == 2 else step_reads)
+             for t in packed[:-1]]  # every field but attention
     return [
         PackedMicroStep(*(
             None if parts is None else
             parts[k].clone() if parts[k].dim() == 2 else parts[k].reshape(num_chunks, -1).clone()
             for parts in split
-        ))
+        ), attention=layouts[k])
         for k in range(len(step_slots))
     ]
 

@@ -32,6 +32,7 @@ from torchtune_ppo.rewards.functions import FunctionReward
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rlhf import ScoringSettings, Trajectory, concat_trajectories, truncate_after_stop_token
 from torchtune_ppo.rlhf.packing import logprob_chunks, prefix_row_len, prompt_prefix, shared_row_len
+from torchtune_ppo.rlhf.segments import check_segment_models
 from torchtune_ppo.rollout.generation import Generator
 from torchtune_ppo.rollout.scoring import PackedScoring, packed_score_trajectory, plan_scoring
 from torchtune_ppo.rollout.turns import EpisodeOutput, EpisodeStats, TurnRunner, episode_texts
@@ -71,6 +72,10 @@ class Rollout:
         share_prefix (bool): without groups, the tokens every prompt of a scoring chunk begins
             with are packed once per row (:func:`~torchtune_ppo.rollout.scoring.plan_scoring`'s
             ``common_prefix``; ``share_prompt_prefix``). Ignored with groups or ``fused_rollout``.
+        segment_attention (bool): the scoring's packed rows attend by sequence
+            (:mod:`~torchtune_ppo.rlhf.segments`; ``segment_attention``); every scoring model
+            must take layouts (:func:`~torchtune_ppo._patches.torchtune_modules.use_segment_attention`).
+            Ignored with ``fused_rollout`` (padded rows).
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class Rollout:
         recompute_logprobs: bool = False,
         turns: Optional[TurnRunner] = None,
         share_prefix: bool = False,
+        segment_attention: bool = False,
     ) -> None:
         if not isinstance(reward, (ModelReward, FunctionReward)):
             raise TypeError(f"Rollout: reward must be a ModelReward or a FunctionReward, got {type(reward).__name__}.")
@@ -116,6 +122,9 @@ class Rollout:
         self._compiled_scoring = whole_scoring_models
         scoring = (ref_policy_model, value_model, self._reward_model, generator.model if recompute_logprobs else None)
         self._scoring_models = [m for m in scoring if m is not None]
+        check_segment_models("Rollout", segment_attention, dict(zip(("reference", "value", "reward", "policy"),
+                                                                    scoring)))
+        self._segments = segment_attention
         self._num_chunks = logprob_chunks(generator.batch_size * generator.max_generated_tokens)
         # one prompt copy per row for a group's responses, in rows the scoring models can take
         self._group_size = max(1, generator.group_size)
@@ -250,7 +259,7 @@ class Rollout:
             plan = plan_scoring(host[0][start:end], host[1][start:end], prompt_len=P, response_len=T,
                                 num_chunks=self._num_chunks, device=device, group_size=self._group_size,
                                 row_len=self._row_len if self._group_size > 1 or self._share_prefix else None,
-                                common_prefix=prefix)
+                                common_prefix=prefix, segment_attention=self._segments)
             plans.append(plan.mark_dynamic(length=self._share_prefix))  # eager scoring ignores the marks
             start = end
         return plans

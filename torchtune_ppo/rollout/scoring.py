@@ -39,11 +39,12 @@ import torch
 from torch import nn
 
 from torchtune_ppo import lora, rlhf
-from torchtune_ppo._patches.dynamo import mark_dynamic
-from torchtune_ppo._patches.torchtune_modules import final_hidden_states
+from torchtune_ppo._patches.dynamo import mark_dynamic, mark_layout_dynamic
+from torchtune_ppo._patches.torchtune_modules import SegmentLayout, final_hidden_states
 from torchtune_ppo.rlhf import ScoringSettings, Trajectory, block_causal_masks, finish_trajectory, truncated
 from torchtune_ppo.rlhf.packing import (MIN_SIZE, plan_micro_steps, prefix_pieces, prefix_row_len, share_prompts,
                                         shared_row_len, to_device)
+from torchtune_ppo.rlhf.segments import segment_layout
 
 
 class PackedScoring(NamedTuple):
@@ -66,6 +67,9 @@ class PackedScoring(NamedTuple):
         last_positions (torch.Tensor): ``[b]`` flat slot of each row's last valid token.
         prefix_ids (Optional[torch.Tensor]): ``[R, L]``, the segment each slot may also attend
             (its group's prompt copy); None: no shared prompts.
+        attention (Optional[SegmentLayout]): the rows' attention by sequence
+            (:mod:`~torchtune_ppo.rlhf.segments`), the layers' mask instead of the block-causal
+            masks; None: those masks.
     """
 
     token_src: torch.Tensor
@@ -76,12 +80,18 @@ class PackedScoring(NamedTuple):
     read_index: torch.Tensor
     last_positions: torch.Tensor
     prefix_ids: Optional[torch.Tensor] = None
+    attention: Optional[SegmentLayout] = None
 
     def mark_dynamic(self, length: bool = False) -> "PackedScoring":
         """Rows ``R`` and chunk length ``K`` dynamic for ``torch.compile`` (both at least 2);
-        ``length``: the row length ``L`` too (rows cut to what they hold: ``common_prefix``)."""
+        ``length``: the row length ``L`` too (rows cut to what they hold: ``common_prefix``);
+        with ``attention`` its sizes too."""
         prefix = () if self.prefix_ids is None else (self.prefix_ids,)
-        return mark_dynamic(self, rows=(*self[:3], *prefix), reads=self[3:5], length=length)
+        layout = () if self.attention is None else (self.attention.out_index,)
+        mark_dynamic(self, rows=(*self[:3], *prefix, *layout), reads=self[3:5], length=length)
+        if self.attention is not None:
+            mark_layout_dynamic(self.attention)
+        return self
 
 
 def plan_scoring(
@@ -95,6 +105,7 @@ def plan_scoring(
     group_size: int = 1,
     row_len: Optional[int] = None,
     common_prefix: Optional[int] = None,
+    segment_attention: bool = False,
 ) -> PackedScoring:
     """Packs one scoring chunk's sequences: placement on the host, index tensors on ``device``.
 
@@ -114,6 +125,8 @@ def plan_scoring(
         common_prefix (Optional[int]): with ``group_size`` 1, the tokens every prompt begins
             with (:func:`~torchtune_ppo.rlhf.packing.prompt_prefix`; 0 allowed), packed once per
             row; None: not shared.
+        segment_attention (bool): the plan carries ``attention``, the rows' attention by
+            sequence (:func:`~torchtune_ppo.rlhf.segments.segment_layout`).
 
     Returns:
         PackedScoring: ``R`` = the rows used (at most ``b``, at least 2), ``K`` = the reads
@@ -198,6 +211,8 @@ def plan_scoring(
         read_index=per_row[: b * response_len].view(b, response_len),
         last_positions=per_row[b * response_len :],
         prefix_ids=index[3] if share else None,
+        attention=SegmentLayout(*(to_device(t, device) for t in segment_layout(
+            segments, prefixes, row_len=row_len))) if segment_attention else None,
     )
 
 
@@ -250,7 +265,8 @@ def packed_score_trajectory(
     )
     responses = qr[:, settings.prompt_len:]
     tokens = qr.flatten()[plan.token_src]  # [R, L]
-    packed_masks = block_causal_masks(plan.segment_ids, plan.prefix_ids)  # [R, L, L]
+    packed_masks = (block_causal_masks(plan.segment_ids, plan.prefix_ids) if plan.attention is None
+                    else plan.attention)  # [R, L, L] or by sequence
     targets = responses.flatten()[plan.read_targets]  # [C, K]
     reads, temperature = plan.read_positions, settings.temperature
 
