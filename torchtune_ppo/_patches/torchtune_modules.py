@@ -179,8 +179,11 @@ def use_segment_attention(model: nn.Module) -> int:
 
 def accepts_segment_layouts(model: nn.Module) -> bool:
     """Whether every attention module of ``model`` takes a :class:`SegmentLayout` as its mask
-    (:func:`use_segment_attention`); False for a model without attention modules."""
-    attns = [m for m in model.modules() if hasattr(m, "_attention_call") and hasattr(m, "kv_cache")]
+    (:func:`use_segment_attention`); False for a model without attention modules. A model whose
+    ``layers`` are not its submodules (``lora.SharedBaseReward``) is judged by its layers."""
+    layers = getattr(model, "layers", None)
+    root = layers if isinstance(layers, nn.Module) else model
+    attns = [m for m in root.modules() if hasattr(m, "_attention_call") and hasattr(m, "kv_cache")]
     return bool(attns) and all(isinstance(m._attention_call, functools.partial)
                                and m._attention_call.func is _segments_or for m in attns)
 
