@@ -626,12 +626,13 @@ SCHEMA: Tuple[Key, ...] = (
         "on when the first 256 prompts of the dataset share at least max(8, max_prompt_len / 4) "
         "tokens, with a note either way; true: on (an error with shared groups, `compile.rollout` "
         "or `env`); false: off. See [Performance](performance.md#a-prefix-every-prompt-shares-share_prompt_prefix)"),
-    Key("segment_attention", Bool(), True,
+    Key("segment_attention", Bool(), False,
         "in scoring and in the loss step, each packed sequence attends only its own tokens and its "
         "shared prompt's, gathered per sequence, instead of through a block-diagonal mask over the "
         "whole packed row, which computes every pair of the row (rows of several sequences, 4 "
-        "times as long with `share_prompt_prefix`). The same outputs up to rounding; false: the "
-        "masks. Not under FSDP's fixed-shape loss step. See "
+        "times as long with `share_prompt_prefix`). The same outputs up to rounding. Off by "
+        "default: measured slower on the CPU (its gathers' backward costs more than the scores it "
+        "saves). Not under FSDP's fixed-shape loss step. See "
         "[Performance](performance.md#attention-by-sequence-segment_attention)"),
     # A `_component_` block (torchtune's PPOLoss) keeps its own defaults instead of these.
     Key("loss", LOSS, LOSS.defaults(),

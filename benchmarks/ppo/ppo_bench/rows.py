@@ -51,12 +51,12 @@ ROWS = {
     "ours_generate_shared": Row("ours, + compile.generate, share_group_prefill", "ours", {
         "share_group_prefill": True, "compile": {
             "generate": True, "trajectory": False, "loss_step": False, "rollout": False}}),
-    # segment_attention off: packed rows attend through block-diagonal masks (the A/B of the default).
-    "ours_eager_masked": Row("ours, eager, segment_attention=False", "ours", {
-        "share_group_prefill": False, "segment_attention": False, "compile": {
+    # segment_attention on: packed rows attend by sequence (the A/B of the default masks).
+    "ours_eager_segments": Row("ours, eager, segment_attention=True", "ours", {
+        "share_group_prefill": False, "segment_attention": True, "compile": {
             "generate": False, "trajectory": False, "loss_step": False, "rollout": False}}),
-    "ours_all_masked": Row("ours, all compiled, segment_attention=False", "ours", {
-        "segment_attention": False, "compile": {
+    "ours_all_segments": Row("ours, all compiled, segment_attention=True", "ours", {
+        "segment_attention": True, "compile": {
             "generate": True, "trajectory": True, "loss_step": True, "rollout": False}}),
     # compile.rollout replaces generate + trajectory: steps 1-6 are one compiled region.
     "ours_rollout": Row("ours, compile.rollout + loss_step", "ours", {"compile": {
@@ -65,10 +65,10 @@ ROWS = {
 QUICK_ROWS = ("tt_eager", "ours_eager")
 # --cpu-large: every row but compile.rollout, whose one graph unrolls all T = 64 decode steps
 # (on the tiny task, T = 24, it already took 435 s to compile); --rows still runs it.
-CPU_LARGE_ROWS = tuple(name for name in ROWS if name != "ours_rollout" and not name.endswith(("_shared", "_masked")))
+CPU_LARGE_ROWS = tuple(name for name in ROWS if name != "ours_rollout" and not name.endswith(("_shared", "_segments")))
 # The default rows: the _shared ones only differ on a config with num_samples_per_prompt > 1, the
-# _masked ones are an A/B of segment_attention (--rows).
-DEFAULT_ROWS = tuple(name for name in ROWS if not name.endswith(("_shared", "_masked")))
+# _segments ones are an A/B of segment_attention (--rows).
+DEFAULT_ROWS = tuple(name for name in ROWS if not name.endswith(("_shared", "_segments")))
 
 
 # A row name may carry a dtype, ``<row>@fp32`` or ``<row>@bf16``: the same row in that dtype

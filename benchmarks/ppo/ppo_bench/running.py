@@ -22,7 +22,8 @@ BENCHMARKS = BENCH_DIR.parent  # benchmarks: bench_common
 # Set-up order: the anchors and our end point first, so that a time budget cuts the
 # intermediate rows, and compile.rollout (one unrolled graph, the longest compile) last.
 RUN_ORDER = ("tt_eager", "tt_kv", "ours_eager", "ours_all", "tt_compile", "ours_generate",
-             "ours_trajectory", "ours_rollout", "ours_eager_shared", "ours_generate_shared")
+             "ours_trajectory", "ours_rollout", "ours_eager_shared", "ours_generate_shared",
+             "ours_eager_segments", "ours_all_segments")
 
 
 def make_worker(name: str, spec_path: Path, work: Path, logs: Path,
