@@ -102,12 +102,17 @@ def _fp32_attention_call(
     return sdpa(q, k, v, None if mask is None else mask[:, None], dropout_p, is_causal)
 
 
+def _attention_modules(root: nn.Module) -> List[nn.Module]:
+    """Every torchtune attention module under ``root`` (those with a swappable attention call)."""
+    return [m for m in root.modules() if hasattr(m, "_attention_call") and hasattr(m, "kv_cache")]
+
+
 def use_fp32_attention(model: nn.Module) -> int:
     """Every torchtune attention module of ``model`` computes bf16 attention on CPU in fp32
     (:func:`sdpa`); the recipe's masks are bool tensors, never flex attention's ``BlockMask``.
     Generation's :class:`StaticKVCache` keeps this as the call it restores. Returns how many
     modules were changed."""
-    attns = [m for m in model.modules() if hasattr(m, "_attention_call") and hasattr(m, "kv_cache")]
+    attns = _attention_modules(model)
     for attn in attns:
         attn._attention_call = _fp32_attention_call
     return len(attns)
@@ -167,14 +172,16 @@ def use_segment_attention(model: nn.Module) -> int:
     (:func:`segment_attention`) besides what its attention call took before (a mask tensor or
     None), which it still gets. Generation's :class:`StaticKVCache` keeps this as the call it
     restores. Idempotent; returns how many modules were changed."""
-    attns = [m for m in model.modules() if hasattr(m, "_attention_call") and hasattr(m, "kv_cache")]
     changed = 0
-    for attn in attns:
-        call = attn._attention_call
-        if not (isinstance(call, functools.partial) and call.func is _segments_or):
-            attn._attention_call = functools.partial(_segments_or, call)
+    for attn in _attention_modules(model):
+        if not _takes_layouts(attn._attention_call):
+            attn._attention_call = functools.partial(_segments_or, attn._attention_call)
             changed += 1
     return changed
+
+
+def _takes_layouts(call) -> bool:
+    return isinstance(call, functools.partial) and call.func is _segments_or
 
 
 def accepts_segment_layouts(model: nn.Module) -> bool:
@@ -183,9 +190,8 @@ def accepts_segment_layouts(model: nn.Module) -> bool:
     ``layers`` are not its submodules (``lora.SharedBaseReward``) is judged by its layers."""
     layers = getattr(model, "layers", None)
     root = layers if isinstance(layers, nn.Module) else model
-    attns = [m for m in root.modules() if hasattr(m, "_attention_call") and hasattr(m, "kv_cache")]
-    return bool(attns) and all(isinstance(m._attention_call, functools.partial)
-                               and m._attention_call.func is _segments_or for m in attns)
+    attns = _attention_modules(root)
+    return bool(attns) and all(_takes_layouts(m._attention_call) for m in attns)
 
 
 def final_hidden_states(

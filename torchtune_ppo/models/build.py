@@ -132,7 +132,8 @@ class _Builder:
             use_fp32_attention(model)  # CPU's bf16 flash-attention backward is slow (_patches)
             if trainable:  # the compiled embedding backward zeroes and rounds a [V, D] fp32 buffer
                 use_fp32_grad_embeddings(model)
-        use_segment_attention(model)  # packed rows may attend by sequence (rlhf.segments): after the above
+        if cfg.get("segment_attention"):  # packed rows attend by sequence (rlhf.segments): after the above
+            use_segment_attention(model)
         if trainable and cfg.enable_activation_checkpointing:
             training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
         if not trainable:
