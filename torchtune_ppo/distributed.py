@@ -9,6 +9,7 @@ turns its per-rank quantities into shares of the global batch (token weights ove
 valid count), so the sum is the 1-process value.
 """
 
+import atexit
 import contextlib
 import os
 from typing import Any, Dict, Iterator, List
@@ -29,7 +30,20 @@ def init_distributed(device: torch.device) -> bool:
         return False
     if not dist.is_initialized():
         dist.init_process_group(backend=training.get_distributed_backend(device.type))
+        atexit.register(shutdown)
     return True
+
+
+def shutdown() -> None:
+    """Leaves the process group, if still in it; run at exit, on every path out of the recipe.
+
+    A gloo group left to the interpreter's teardown can abort the process after a run that
+    finished ("terminate called without an active exception", SIGABRT): its C++ worker threads
+    still hold work whose tensors need the interpreter, which is gone by then. Destroying the
+    group while the interpreter is alive joins them.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def world_size() -> int:
