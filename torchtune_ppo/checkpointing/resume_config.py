@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import utils
 
 from torchtune_ppo.checkpointing.store import CONFIG_FNAME, TRAINING_STATE_FNAME
+from torchtune_ppo.config.run_folder import saved_config
 from torchtune_ppo.config.schema import MUST_MATCH, defaults
 
 log = utils.get_logger("INFO")
@@ -54,14 +55,6 @@ def config_to_save(cfg: Union[DictConfig, Mapping]) -> Dict[str, Any]:
     if isinstance(cfg, DictConfig):
         return OmegaConf.to_container(cfg, resolve=True)
     return dict(cfg)
-
-
-def saved_config(checkpoint: Union[str, Path]) -> Optional[Dict[str, Any]]:
-    """The config a checkpoint was saved with, or None for a checkpoint of the older format."""
-    path = Path(checkpoint) / CONFIG_FNAME
-    if not path.is_file():
-        return None
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
 
 
 def _flatten(d: Any, prefix: str = "") -> Dict[str, Any]:

@@ -59,16 +59,15 @@ from torchtune import config, training, utils
 
 from torchtune_ppo._patches.checkpointer import set_weight_map
 from torchtune_ppo.config.checks import import_component
+# checkpoints/ and each step's config.yaml: named below this package, read at validation too
+from torchtune_ppo.config.run_folder import CHECKPOINTS_DIRNAME, CONFIG_FNAME  # noqa: F401
+from torchtune_ppo.config.run_folder import STEP_RE as _STEP_RE
 
 log = utils.get_logger("INFO")
 
-CHECKPOINTS_DIRNAME = "checkpoints"
 MARKER_FNAME = "COMPLETE"
-CONFIG_FNAME = "config.yaml"  # the run's resolved config (checked on resume: resume_config.py)
 TRAINING_STATE_FNAME = "training_state.pt"
 MODEL_NAMES = ("policy", "value")
-
-_STEP_RE = re.compile(r"^step_(\d+)$")
 LOCK_FNAME = ".run.lock"
 SOURCE_MANIFEST_FNAME = "manifest.json"  # tools/prepare_smollm2.py's list of its folder's checksums
 # Files of a saved model folder that nothing in a resume reads, and that users edit (PEFT wants

@@ -29,6 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 
 from torchtune_ppo.config.components import check_component_arguments
+from torchtune_ppo.config.precision import native_bf16  # noqa: F401  (defined here before precision.py)
+from torchtune_ppo.config.precision import resolve_auto_dtype
 from torchtune_ppo.rlhf.packing import common_prefix_len
 from torchtune_ppo.config.schema import (
     COMPILE_REGIONS,
@@ -205,10 +207,13 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     Args:
         cfg (DictConfig): the recipe config as parsed from YAML and the command line.
         check_machine (bool): also check that the checkpoint files exist and the device is
-            available here; off to plan a run for another machine (``torchtune_ppo.run.memory``).
+            available here, and decide ``dtype: auto`` from this machine (and, resuming, from the
+            saved config); off to plan a run for another machine (``torchtune_ppo.run.memory``),
+            where ``auto`` is bf16 on cuda and fp32 elsewhere (``config.precision``).
 
     Returns:
-        DictConfig: a copy with every optional key of ``schema.SCHEMA`` set.
+        DictConfig: a copy with every optional key of ``schema.SCHEMA`` set, and ``dtype``
+        fp32 or bf16 (never ``auto``).
 
     Raises:
         ValueError: on a missing, unknown, mistyped, out-of-range or inconsistent key.
@@ -230,6 +235,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
 
     for key in SCHEMA:
         key.kind.check(key.name, cfg[key.name])
+    _resolve_dtype(cfg, check_machine)  # before any check that reads cfg.dtype
     check_component_arguments(cfg)  # a typo inside a block (optimizer.lrr), before anything is built
     # Read once here: a bare compile: true|false becomes the mapping of every region, so the
     # rest of the run reads cfg.compile.<region>.
@@ -248,6 +254,17 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
         _check_checkpoint_files(cfg)
     _check_models(cfg)
     return cfg
+
+
+def _resolve_dtype(cfg: DictConfig, check_machine: bool) -> None:
+    """``dtype: auto`` becomes fp32 or bf16 here, once, with a note that says why
+    (:func:`~torchtune_ppo.config.precision.resolve_auto_dtype`); the rest of the run, and the
+    config saved in each checkpoint, see only the concrete dtype."""
+    if cfg.dtype != "auto":
+        return
+    cfg.dtype, note = resolve_auto_dtype(
+        cfg.device, output_dir=cfg.output_dir, resume=cfg.resume_from_checkpoint, check_machine=check_machine)
+    _note(note)
 
 
 def _check_block_keys(cfg: DictConfig, key: str, valid: Sequence[str]) -> None:
@@ -763,17 +780,6 @@ def _omp_num_threads() -> Optional[int]:
             "threads to use (e.g. OMP_NUM_THREADS=1), or unset it and the config's cpu_threads "
             "decides (`auto`: every core but one).")
     return int(counts[0])
-
-
-def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> Optional[bool]:
-    """Whether this CPU computes bf16 natively (``avx512_bf16`` or ``amx_bf16``): True, False, or
-    None where ``cpuinfo`` cannot be read (not Linux). Without it torch emulates bf16 products,
-    slower than fp32 ones."""
-    try:
-        flags = Path(cpuinfo).read_text()
-    except OSError:
-        return None
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def check_sequence_length(

@@ -28,11 +28,11 @@ from torchtune_ppo.config.checks import (
     _omp_num_threads,
     check_sequence_length,
     check_world_size,
-    native_bf16,
     validate_with_tokenizer,
     warn_unknown_tokens,
 )
 from torchtune_ppo.config.data_files import instantiate_dataset, validate_dataset
+from torchtune_ppo.config.precision import native_bf16
 from torchtune_ppo.data.identity import check_resumed_data, data_identity
 from torchtune_ppo.eval.data import eval_prompts
 from torchtune_ppo.run.memory import check_plan

@@ -505,9 +505,13 @@ SCHEMA: Tuple[Key, ...] = (
     Key("device", Device(), "cpu",
         "`cpu`, `cuda`, `cuda:N`, ...; a device this machine lacks is an error (torchtune would "
         "run on the CPU without a word)"),
-    Key("dtype", Choice(options=("fp32", "bf16")), "fp32",
+    Key("dtype", Choice(options=("fp32", "bf16", "auto")), "fp32",
         "dtype of the models' weights and compute. On a CPU without native bf16 (no `avx512_bf16` or "
-        "`amx_bf16`) bf16 is emulated and slower than fp32 (said at start-up)", must_match=True),
+        "`amx_bf16`) bf16 is emulated and slower than fp32 (said at start-up). `auto`: bf16 where the "
+        "device multiplies it natively (a CPU with `avx512_bf16` or `amx_bf16` in `/proc/cpuinfo`, a CUDA "
+        "GPU of compute capability 8.0 and up), else fp32; decided once at start-up and logged with its "
+        "reason; resuming, the dtype the checkpoint was saved in. See "
+        "[Precision](precision.md#which-dtype-auto-picks)", must_match=True),
     Key("fp32_logits", Bool(), False,
         "with `dtype: bf16`: the policy's and the reference's output projection computes in fp32 "
         "(bf16 hidden states and weight cast up, logits never rounded to bf16), so the generator, "
