@@ -101,10 +101,10 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             num_ppo_steps=cfg.num_ppo_steps, batches_per_epoch=len(self._dataloader),
             value_pretrain=ValuePretraining.from_config(cfg.value_pretrain), data_identity=checked.data_identity,
             save_every_n_steps=cfg.save_every_n_steps, save_every_n_epochs=cfg.save_every_n_epochs, evaluation=cfg.eval)
-        regions = compiling.regions(cfg.compile, world_size=self._world_size, device=self._device)
+        regions = compiling.regions(CompileConfig(**cfg.compile), world_size=self._world_size, device=self._device)
         self._group, self._prefix = prompt_sharing(cfg, self._world_size, self._dataloader.dataset)  # computed once
-        log.info(f"Compiled regions: {CompileConfig(**cfg.compile)}")
         self._models = build_models(cfg, device=self._device, dtype=self._dtype, resume_from=checked.resume_from)
+        compiling.use_layers(self._models, regions.layers)  # compile.layers: one layer compiled per use
         self._rollout = self._setup_rollout(cfg, regions)
         self._update = self._setup_update(cfg, regions)
         manager = checkpointing.CheckpointManager(self._output_dir, cfg.checkpointer, cfg.value_checkpointer,

@@ -29,6 +29,7 @@ import torch
 from torchtune import utils
 
 from torchtune_ppo._patches import dynamo as dynamo_patches
+from torchtune_ppo._patches.torchtune_modules import LayerSteps, use_layer_steps
 from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.rollout.fused import fused_rollout
 from torchtune_ppo.rollout.generation import GenerationSteps, extend, generate_next_token, prefill, prefill_group
@@ -105,6 +106,9 @@ class Regions(NamedTuple):
             step of one parameter in one pass (:func:`~torchtune_ppo.run.optim.adam_master_step`)
             and its gradient's sum of squares, compiled with symbolic sizes (one graph each for
             every parameter shape); None: the eager optimizer path.
+        layers (Optional[LayerSteps]): with ``compile.layers``, one transformer layer compiled
+            per use (:func:`layer_steps`), for :func:`use_layers` to hand to the models; None:
+            each region unrolls every layer of every model it calls into its own graph.
     """
 
     generation: GenerationSteps
@@ -114,6 +118,7 @@ class Regions(NamedTuple):
     loss_step_fixed_shapes: bool
     whole_scoring_models: bool
     master_step: Optional[MasterStep] = None
+    layers: Optional[LayerSteps] = None
 
 
 def regions(compile_cfg: Any, *, world_size: int = 1, device: Optional[torch.device] = None) -> Regions:
@@ -125,34 +130,82 @@ def regions(compile_cfg: Any, *, world_size: int = 1, device: Optional[torch.dev
         world_size (int): processes of the run. Under FSDP (> 1) the loss step compiles with
             ``fullgraph=False``: its forward and backward need FSDP2's hooks, which dynamo
             cannot trace, so the graph breaks at each sharded module; its micro-steps then have
-            fixed shapes.
+            fixed shapes. ``compile.layers`` is for one process (the config checks turn it off
+            on several).
         device (Optional[torch.device]): where generation runs (CUDA graphs need CUDA); None: CPU.
 
     Returns:
         Regions: compiled regions where the block says so, eager twins elsewhere.
     """
     compile_backend()  # a bad test backend is refused before any weights load
+    _log.info(f"Compiled regions: {compile_cfg}")
     fused = compile_cfg.rollout
     if fused and (compile_cfg.generate or compile_cfg.trajectory):
         warnings.warn("compile.rollout compiles steps 1-6 as one region; compile.generate and "
                       "compile.trajectory are unused.")
+    layers = getattr(compile_cfg, "layers", False) and world_size == 1 and not fused
+    # With compiled layers each region's graph breaks around the layer stack (one break per
+    # model it calls); everything else in it stays one graph.
+    whole = not layers
     return Regions(
         generation=generation_steps(compiled=compile_cfg.generate and not fused, mode=compile_cfg.mode,
-                                    device=device or torch.device("cpu")),
-        score=maybe_compile(packed_score_trajectory, enabled=compile_cfg.trajectory and not fused),
+                                    device=device or torch.device("cpu"), fullgraph=whole),
+        score=maybe_compile(packed_score_trajectory, enabled=compile_cfg.trajectory and not fused,
+                            fullgraph=whole),
         fused_rollout=maybe_compile(fused_rollout, enabled=True) if fused else None,
         loss_step=maybe_compile(packed_ppo_loss_step, enabled=compile_cfg.loss_step,
-                                fullgraph=world_size == 1),
+                                fullgraph=world_size == 1 and whole),
         loss_step_fixed_shapes=world_size > 1,
         whole_scoring_models=compile_cfg.trajectory or fused,
         master_step=MasterStep(step=maybe_compile(adam_master_step, enabled=True, dynamic=True),
                                sq_sum=maybe_compile(grad_sq_sum, enabled=True, dynamic=True))
         if getattr(compile_cfg, "optimizer", False) else None,
+        layers=layer_steps(mode=without_cudagraphs(compile_cfg.mode)) if layers else None,
     )
 
 
+# One body, four functions: each use of a layer keeps its own graphs, guards and recompile
+# limit (dynamo's cache lives on the code object), so no use ever evicts or recompiles another.
+def _layer_decode(layer: torch.nn.Module, h: torch.Tensor, mask: Any, input_pos: torch.Tensor) -> torch.Tensor:
+    return layer(h, mask=mask, input_pos=input_pos)
+
+
+def _layer_prefill(layer: torch.nn.Module, h: torch.Tensor, mask: Any, input_pos: torch.Tensor) -> torch.Tensor:
+    return layer(h, mask=mask, input_pos=input_pos)
+
+
+def _layer_infer(layer: torch.nn.Module, h: torch.Tensor, mask: Any, input_pos: torch.Tensor) -> torch.Tensor:
+    return layer(h, mask=mask, input_pos=input_pos)
+
+
+def _layer_train(layer: torch.nn.Module, h: torch.Tensor, mask: Any, input_pos: torch.Tensor) -> torch.Tensor:
+    return layer(h, mask=mask, input_pos=input_pos)
+
+
+def layer_steps(mode: str = "default") -> LayerSteps:
+    """One transformer layer's call compiled once per use: the decode step, the prefill (and
+    multi-turn extend), inference without grad, training. The layer is an argument whose
+    parameters dynamo reads as inputs, so one graph serves every layer of every model of the
+    same shapes (a family's policy, reference, value and reward trunks); a region calling
+    :func:`~torchtune_ppo._patches.torchtune_modules.final_hidden_states` runs its layers
+    through these, in a Python loop between its own graphs.
+    """
+    return LayerSteps(*(maybe_compile(fn, enabled=True, mode=mode)
+                        for fn in (_layer_decode, _layer_prefill, _layer_infer, _layer_train)))
+
+
+def use_layers(models: Any, steps: Optional[LayerSteps]) -> None:
+    """Hands ``steps`` (``Regions.layers``) to every model a compiled region may call (a run's
+    :class:`~torchtune_ppo.models.build.Models`, or any iterable of models); None takes them back."""
+    if hasattr(models, "ref_policy"):
+        models = (models.policy, models.ref_policy, models.value, models.reward)
+    for model in models:
+        if model is not None:
+            use_layer_steps(model, steps)
+
+
 def generation_steps(*, compiled: bool, mode: str = "default",
-                     device: torch.device = torch.device("cpu")) -> GenerationSteps:
+                     device: torch.device = torch.device("cpu"), fullgraph: bool = True) -> GenerationSteps:
     """The generator's prefill (one per row, or one per group) and decode step, compiled in
     ``mode`` or eager.
 
@@ -165,12 +218,12 @@ def generation_steps(*, compiled: bool, mode: str = "default",
                       f"{device.type} the steps run without them.")
     prefill_mode = without_cudagraphs(mode)
     return GenerationSteps(
-        prefill=maybe_compile(prefill, enabled=compiled, mode=prefill_mode),
-        prefill_group=maybe_compile(prefill_group, enabled=compiled, mode=prefill_mode),
-        decode=maybe_compile(generate_next_token, enabled=compiled, mode=mode),
+        prefill=maybe_compile(prefill, enabled=compiled, mode=prefill_mode, fullgraph=fullgraph),
+        prefill_group=maybe_compile(prefill_group, enabled=compiled, mode=prefill_mode, fullgraph=fullgraph),
+        decode=maybe_compile(generate_next_token, enabled=compiled, mode=mode, fullgraph=fullgraph),
         compiled=compiled,
         cudagraphs=cudagraphs,
-        extend=maybe_compile(extend, enabled=compiled, mode=prefill_mode),
+        extend=maybe_compile(extend, enabled=compiled, mode=prefill_mode, fullgraph=fullgraph),
     )
 
 

@@ -56,7 +56,7 @@ def test_shipped_config_is_valid():
         ({"temperature": 0}, r"temperature must be a number > 0"),
         ({"top_p": 1.5}, r"top_p must be null or a number in \(0, 1\]"),
         ({"long_prompts": "drop"}, r"long_prompts must be one of \['truncate', 'error'\]"),
-        ({"compile.generate": True, "compile.decode": True}, r"compile: unknown key\(s\) \['decode'\]; valid keys are \['generate', 'trajectory', 'loss_step', 'rollout', 'optimizer', 'mode'\]"),
+        ({"compile.generate": True, "compile.decode": True}, r"compile: unknown key\(s\) \['decode'\]; valid keys are \['generate', 'trajectory', 'loss_step', 'rollout', 'optimizer', 'layers', 'mode'\]"),
         ({"btach_size": 4}, r"unknown config key\(s\) \['btach_size'\]"),
     ],
 )

@@ -61,6 +61,17 @@ def mark_dynamic(packed: T, *, rows: Sequence[torch.Tensor], reads: Sequence[tor
     return packed
 
 
+def dynamic_dims(t: torch.Tensor) -> "frozenset[int]":
+    """The dims of ``t`` marked dynamic (:func:`mark_dynamic`), empty for an unmarked tensor."""
+    return frozenset(getattr(t, "_dynamo_dynamic_indices", ()))
+
+
+def mark_dynamic_dims(t: torch.Tensor, dims: "frozenset[int]") -> torch.Tensor:
+    """Marks ``dims`` of ``t`` dynamic (``torch._dynamo.mark_dynamic``). Returns ``t``."""
+    torch._dynamo.mark_dynamic(t, sorted(dims))
+    return t
+
+
 def mark_layout_dynamic(layout: T) -> T:
     """Marks a :class:`~torchtune_ppo._patches.torchtune_modules.SegmentLayout`'s sizes dynamic:
     its sequences ``S`` (dim 0 of each), queries ``Lq`` and keys ``Lk``. Returns ``layout``."""

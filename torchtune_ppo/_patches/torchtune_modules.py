@@ -17,12 +17,14 @@ up to the final norm, for the loss step, which projects only the positions it re
 
 import contextlib
 import functools
-from typing import Iterator, List, NamedTuple, Optional
+from typing import Callable, Iterator, List, NamedTuple, Optional
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torchtune.modules import TransformerDecoder
+
+from torchtune_ppo._patches.dynamo import dynamic_dims, mark_dynamic_dims
 
 # Builders and helpers torchtune does not export: kept here so an upgrade breaks one place.
 from torchtune.data._utils import truncate  # noqa: F401
@@ -219,9 +221,58 @@ def final_hidden_states(
     if isinstance(model, FSDPModule):
         return _hidden_states_through_root(model, tokens, mask=mask, input_pos=input_pos)
     h = model.tok_embeddings(tokens)
-    for layer in model.layers:
-        h = layer(h, mask=mask, input_pos=input_pos)
+    steps = getattr(model, LAYER_STEPS_ATTR, None)
+    if steps is not None and torch.compiler.is_compiling():
+        h = _through_layer_steps(model, h, mask, input_pos, steps)  # the region's graph breaks here
+    else:
+        for layer in model.layers:
+            h = layer(h, mask=mask, input_pos=input_pos)
     return model.norm(h)
+
+
+LAYER_STEPS_ATTR = "_torchtune_ppo_layer_steps"
+
+
+class LayerSteps(NamedTuple):
+    """One transformer layer's call ``(layer, h, mask, input_pos) -> h``, compiled once per use
+    (:func:`torchtune_ppo.compile.layer_steps`), each its own function so that each keeps its
+    own graphs and guards.
+
+    Attributes:
+        decode (Callable): one token per row, written to the KV cache.
+        prefill (Callable): several tokens per row written to the KV cache (prefill, extend).
+        infer (Callable): no KV cache, no grad (scoring, evaluation's reads).
+        train (Callable): with grad (the loss step).
+    """
+
+    decode: Callable
+    prefill: Callable
+    infer: Callable
+    train: Callable
+
+
+def use_layer_steps(model: nn.Module, steps: Optional[LayerSteps]) -> None:
+    """Compiled regions that call :func:`final_hidden_states` on ``model`` run its layers
+    through ``steps`` (None: unrolled in the region's graph, as before). Eager calls never do."""
+    object.__setattr__(model, LAYER_STEPS_ATTR, steps)
+
+
+@torch.compiler.disable
+def _through_layer_steps(model: nn.Module, h: torch.Tensor, mask, input_pos: torch.Tensor,
+                         steps: LayerSteps) -> torch.Tensor:
+    # Runs eagerly between the region's graphs: a Python loop over compiled layer calls, so
+    # the layer is traced and compiled once per use for every layer of every model.
+    first = model.layers[0]
+    if getattr(first, "caches_are_enabled", lambda: False)():
+        step = steps.decode if h.shape[1] == 1 else steps.prefill
+    else:
+        step = steps.train if torch.is_grad_enabled() else steps.infer
+    dims = dynamic_dims(input_pos)
+    if dims:  # the region's packed rows are dynamic in these sizes: so is each layer's graph
+        mark_dynamic_dims(h, dims)
+    for layer in model.layers:
+        h = step(layer, h, mask, input_pos)
+    return h
 
 
 class _Identity(nn.Module):

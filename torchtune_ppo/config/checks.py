@@ -511,6 +511,10 @@ def check_world_size(cfg: DictConfig, world_size: int) -> None:
         if cfg.optimizer_in_bwd:
             raise ValueError("optimizer_in_bwd=True runs on one process only; set it to False "
                              f"to run on {world_size} processes.")
+        if cfg.compile.get("layers", False):
+            _note(f"compile.layers on {world_size} processes: FSDP2 calls the sharded layers itself, so the "
+                  "regions compile every layer in their own graphs, as with compile.layers=False.")
+            cfg.compile.layers = False
         if cfg.dtype == "bf16" and cfg.master_weights:
             _note(f"dtype=bf16 on {world_size} processes: the fp32 master weights are not sharded yet, so this "
                   "run trains the bf16 weights directly (master_weights=False).")

@@ -19,7 +19,7 @@ from torchtune_ppo.rlhf.correction import CORRECTION_LEVELS, CORRECTION_MODES
 
 COMPILE_REGIONS = ("generate", "trajectory", "loss_step", "rollout")
 # Optional in a compile mapping: the optimizer step follows compile.loss_step unless named.
-COMPILE_KEYS = (*COMPILE_REGIONS, "optimizer", "mode")
+COMPILE_KEYS = (*COMPILE_REGIONS, "optimizer", "layers", "mode")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DEVICES = ("cpu", "cuda", "mps", "xpu", "npu")
 
@@ -643,9 +643,13 @@ SCHEMA: Tuple[Key, ...] = (
         "PPO loss: the plain keys below, or torchtune's `PPOLoss` `_component_` block (which keeps "
         "its own defaults)"),
     Key("compile", CompileBlock(), False,
-        "`true`/`false`, or `{generate, trajectory, loss_step, rollout, optimizer, mode}`; see "
+        "`true`/`false`, or `{generate, trajectory, loss_step, rollout, optimizer, layers, mode}`; see "
         "[Compiling](compiling.md). `optimizer` (default: as `loss_step`) makes each bf16 master "
         "weight's Adam/AdamW step one compiled pass (fp32 runs already step in one fused kernel). "
+        "`layers` (default: false) compiles one transformer layer per use (decode, prefill, "
+        "scoring, training) and runs every layer of every model through it, the regions compiled "
+        "around the layer stack: a first step in a fraction of the time, one process only "
+        "([Compiling](compiling.md#one-layer-compiled-for-every-layer-compilelayers)). "
         "`mode` is the `torch.compile` mode of the generation regions "
         "(`reduce-overhead`: CUDA graphs for the decode step); the other regions use the default mode"),
     Key("compile_cache", BoolOrPath(), True,
@@ -774,6 +778,9 @@ class CompileConfig:
     mode: str = "default"
     # bf16 master weights: each parameter's Adam/AdamW step, clip and rounding as one compiled pass.
     optimizer: bool = False
+    # One transformer layer compiled per use and called for every layer of every model; the
+    # regions compile around the layer stack (torchtune_ppo.compile.layer_steps).
+    layers: bool = False
 
 
 COMPILE_MODE = Choice(options=COMPILE_MODES)
@@ -796,8 +803,8 @@ def parse_compile(value: Any) -> CompileConfig:
     """Read the ``compile`` setting.
 
     ``compile: true|false`` sets every region (``rollout`` stays off: it replaces
-    ``generate`` + ``trajectory``). A mapping must name every region; only ``mode`` and
-    ``optimizer`` (which follows ``loss_step`` when left out) are optional.
+    ``generate`` + ``trajectory``; ``layers`` stays off). A mapping must name every region; only
+    ``mode``, ``layers`` and ``optimizer`` (which follows ``loss_step`` when left out) are optional.
     A partial mapping is refused because it is what OmegaConf makes of
     ``compile=True compile.generate=False`` on the command line: the bool is dropped, so the
     regions left out could mean either on or off.
@@ -822,7 +829,7 @@ def parse_compile(value: Any) -> CompileConfig:
             f"compile: unknown key(s) {unknown}; valid keys are {list(COMPILE_KEYS)}, "
             "or write a bare `compile: true|false` to set all regions."
         )
-    for key in (*COMPILE_REGIONS, "optimizer"):
+    for key in (*COMPILE_REGIONS, "optimizer", "layers"):
         if key in block:
             Bool().check(f"compile.{key}", block[key])
     missing = [k for k in COMPILE_REGIONS if k not in block]
@@ -839,8 +846,15 @@ def parse_compile(value: Any) -> CompileConfig:
         )
     mode = block.get("mode", "default")
     check_compile_mode(mode)
+    if block.get("layers", False) and block["rollout"]:
+        raise ValueError("compile.layers=True compiles each layer apart from the regions around it; "
+                         "compile.rollout=True is steps 1-6 as one graph. Set one of them to False.")
+    if block.get("layers", False) and mode in ("reduce-overhead", "max-autotune"):
+        raise ValueError(f"compile.layers=True runs the layers between the decode step's graphs, where "
+                         f"compile.mode={mode!r} cannot capture them in CUDA graphs: set "
+                         "compile.mode=default (or max-autotune-no-cudagraphs), or compile.layers=False.")
     return CompileConfig(**{k: block[k] for k in COMPILE_REGIONS}, mode=mode,
-                         optimizer=block.get("optimizer", block["loss_step"]))
+                         optimizer=block.get("optimizer", block["loss_step"]), layers=block.get("layers", False))
 
 
 # --------------------------------------------------------------------------------------------

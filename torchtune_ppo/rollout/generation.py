@@ -178,7 +178,9 @@ def generate_next_token(
         Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``[B]`` tokens, ``[B]`` logprobs and
         the ``[B, V]`` float32 logits they were sampled from.
     """
-    logits = model(token, input_pos=input_pos, mask=mask)[:, -1]  # [B, V]
+    # the decoder's forward, through final_hidden_states so that compile.layers reaches it
+    h = final_hidden_states(model, token, mask=mask, input_pos=input_pos)  # [B, 1, D]
+    logits = model.output(h).float()[:, -1]  # [B, V]
     token, logprob = sample(logits, noise, temperature=temperature, top_k=top_k, top_p=top_p)
     return token, logprob, logits
 
