@@ -65,14 +65,17 @@ def compile_backend() -> Optional[str]:
 
 
 def maybe_compile(
-    fn: F, *, enabled: bool, mode: str = "default", fullgraph: bool = True, dynamic: bool = False
+    fn: F, *, enabled: bool, mode: str = "default", fullgraph: bool = True, dynamic: bool = False,
+    around_layers: bool = False,
 ) -> F:
     """``torch.compile(fn)`` with static shapes when ``enabled`` (``dynamic``: symbolic sizes,
     for an elementwise region called on tensors of many shapes), else ``fn`` itself (the eager
-    twin)."""
+    twin). ``around_layers``: a region with ``compile.layers``, whose graph breaks around each
+    trunk it calls, compiled with ``fullgraph=False`` and nested graph breaks
+    (:func:`~torchtune_ppo._patches.dynamo.with_nested_graph_breaks`)."""
     if not enabled:
         return fn
-    kwargs = {"fullgraph": fullgraph, "dynamic": dynamic}
+    kwargs = {"fullgraph": fullgraph and not around_layers, "dynamic": dynamic}
     backend = compile_backend()
     if backend is not None:
         kwargs["backend"] = backend  # modes are inductor's: a test backend runs without one
@@ -83,7 +86,8 @@ def maybe_compile(
         # loop on one thread: one OpenMP scope, sized at run time (SmolLM2's optimizer step:
         # 13 GB/s on one of two cores; benchmarks/RESULTS.md, "bf16 on AMX")
         kwargs["options"] = {"cpp.dynamic_threads": True}
-    return torch.compile(fn, **kwargs)
+    compiled = torch.compile(fn, **kwargs)
+    return dynamo_patches.with_nested_graph_breaks(compiled) if around_layers else compiled
 
 
 class Regions(NamedTuple):
@@ -144,23 +148,24 @@ def regions(compile_cfg: Any, *, world_size: int = 1, device: Optional[torch.dev
         warnings.warn("compile.rollout compiles steps 1-6 as one region; compile.generate and "
                       "compile.trajectory are unused.")
     layers = getattr(compile_cfg, "layers", False) and world_size == 1 and not fused
-    # With compiled layers each region's graph breaks around the layer stack (one break per
-    # model it calls); everything else in it stays one graph.
-    whole = not layers
+    # With compiled layers each region's graph breaks around each trunk it runs; everything
+    # else in it stays compiled.
     return Regions(
         generation=generation_steps(compiled=compile_cfg.generate and not fused, mode=compile_cfg.mode,
-                                    device=device or torch.device("cpu"), fullgraph=whole),
+                                    device=device or torch.device("cpu"), around_layers=layers),
         score=maybe_compile(packed_score_trajectory, enabled=compile_cfg.trajectory and not fused,
-                            fullgraph=whole),
+                            around_layers=layers),
         fused_rollout=maybe_compile(fused_rollout, enabled=True) if fused else None,
         loss_step=maybe_compile(packed_ppo_loss_step, enabled=compile_cfg.loss_step,
-                                fullgraph=world_size == 1 and whole),
+                                fullgraph=world_size == 1, around_layers=layers),
         loss_step_fixed_shapes=world_size > 1,
         whole_scoring_models=compile_cfg.trajectory or fused,
         master_step=MasterStep(step=maybe_compile(adam_master_step, enabled=True, dynamic=True),
                                sq_sum=maybe_compile(grad_sq_sum, enabled=True, dynamic=True))
         if getattr(compile_cfg, "optimizer", False) else None,
-        layers=layer_steps(mode=without_cudagraphs(compile_cfg.mode)) if layers else None,
+        layers=layer_steps(generate=compile_cfg.generate, trajectory=compile_cfg.trajectory,
+                           loss_step=compile_cfg.loss_step, mode=without_cudagraphs(compile_cfg.mode))
+        if layers else None,
     )
 
 
@@ -182,16 +187,20 @@ def _layer_train(layer: torch.nn.Module, h: torch.Tensor, mask: Any, input_pos: 
     return layer(h, mask=mask, input_pos=input_pos)
 
 
-def layer_steps(mode: str = "default") -> LayerSteps:
-    """One transformer layer's call compiled once per use: the decode step, the prefill (and
-    multi-turn extend), inference without grad, training. The layer is an argument whose
-    parameters dynamo reads as inputs, so one graph serves every layer of every model of the
-    same shapes (a family's policy, reference, value and reward trunks); a region calling
-    :func:`~torchtune_ppo._patches.torchtune_modules.final_hidden_states` runs its layers
-    through these, in a Python loop between its own graphs.
+def layer_steps(*, generate: bool = True, trajectory: bool = True, loss_step: bool = True,
+                mode: str = "default") -> LayerSteps:
+    """One transformer layer's call compiled once per use: the decode step and the prefill (and
+    multi-turn extend) with ``generate``, inference without grad (scoring) with ``trajectory``,
+    training with ``loss_step``; None for the uses of regions left eager. The layer is an
+    argument whose parameters dynamo reads as inputs, so one graph serves every layer of every
+    model of the same shapes (a family's policy, reference, value and reward trunks);
+    :func:`~torchtune_ppo._patches.torchtune_modules.final_hidden_states` runs a trunk through
+    these in a Python loop, between the calling region's graphs.
     """
-    return LayerSteps(*(maybe_compile(fn, enabled=True, mode=mode)
-                        for fn in (_layer_decode, _layer_prefill, _layer_infer, _layer_train)))
+    on = (generate, generate, trajectory, loss_step)
+    fns = (_layer_decode, _layer_prefill, _layer_infer, _layer_train)
+    return LayerSteps(*(maybe_compile(fn, enabled=True, mode=mode) if enabled else None
+                        for fn, enabled in zip(fns, on)))
 
 
 def use_layers(models: Any, steps: Optional[LayerSteps]) -> None:
@@ -205,7 +214,7 @@ def use_layers(models: Any, steps: Optional[LayerSteps]) -> None:
 
 
 def generation_steps(*, compiled: bool, mode: str = "default",
-                     device: torch.device = torch.device("cpu"), fullgraph: bool = True) -> GenerationSteps:
+                     device: torch.device = torch.device("cpu"), around_layers: bool = False) -> GenerationSteps:
     """The generator's prefill (one per row, or one per group) and decode step, compiled in
     ``mode`` or eager.
 
@@ -218,12 +227,12 @@ def generation_steps(*, compiled: bool, mode: str = "default",
                       f"{device.type} the steps run without them.")
     prefill_mode = without_cudagraphs(mode)
     return GenerationSteps(
-        prefill=maybe_compile(prefill, enabled=compiled, mode=prefill_mode, fullgraph=fullgraph),
-        prefill_group=maybe_compile(prefill_group, enabled=compiled, mode=prefill_mode, fullgraph=fullgraph),
-        decode=maybe_compile(generate_next_token, enabled=compiled, mode=mode, fullgraph=fullgraph),
+        prefill=maybe_compile(prefill, enabled=compiled, mode=prefill_mode, around_layers=around_layers),
+        prefill_group=maybe_compile(prefill_group, enabled=compiled, mode=prefill_mode, around_layers=around_layers),
+        decode=maybe_compile(generate_next_token, enabled=compiled, mode=mode, around_layers=around_layers),
         compiled=compiled,
         cudagraphs=cudagraphs,
-        extend=maybe_compile(extend, enabled=compiled, mode=prefill_mode, fullgraph=fullgraph),
+        extend=maybe_compile(extend, enabled=compiled, mode=prefill_mode, around_layers=around_layers),
     )
 
 

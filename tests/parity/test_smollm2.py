@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -416,8 +417,9 @@ def test_prompt_dataset_renders_chat_prompts_as_transformers_does(tokenizer, hf_
 
 # Evaluation off: these runs check training (every region traced once, the eager run's numbers);
 # the config's held-out evaluation would trace its own greedy generation graphs.
+# fp32: the config's dtype=auto would be bf16 on some machines and fp32 on others.
 SMALL_RUN = ["num_ppo_steps=2", "batch_size=4", "forward_batch_size=4", "ppo_batch_size=4", "max_generated_tokens=6",
-             "log_every_n_steps=1", "eval.every_n_steps=null"]
+             "log_every_n_steps=1", "eval.every_n_steps=null", "dtype=fp32"]
 
 
 def _tune_run(folder: Path, out: Path, *overrides: str, env=None):
@@ -495,3 +497,34 @@ def test_the_smollm2_config_runs_in_bf16_compiled_without_recompiles(folder, tmp
                                    "packed_score_trajectory", "prefill"], traced
     assert all(math.isfinite(r["loss"]) for r in rows) and abs(rows[0]["kl"]) < 0.5, rows
     assert "rollout_corr/abs_diff_mean" in rows[0] and 0 < rows[0]["rollout_corr/abs_diff_mean"] < 0.2, rows[0]
+
+
+# traces per layer use: inference reads the reference's frozen weights and the value model's
+# trainable ones, two kinds of input (requires_grad is guarded); training sees trainable ones only
+LAYER_TRACES = {"_layer_decode": 1, "_layer_prefill": 1, "_layer_infer": 2, "_layer_train": 1}
+
+
+def test_the_smollm2_config_with_compiled_layers_equals_eager(folder, eager_run, tmp_path):
+    """``compile.layers`` on the real model: one layer traced once per use serves all 30 layers
+    of every model (the infer and train uses once per kind of weights: frozen reference,
+    trainable policy and value), every region traced once around its layer stack, nothing
+    recompiled after step 1, and the logged metrics the eager run's (dynamo's eager backend, so
+    the same float32 rounding tolerance as the unrolled test above)."""
+    layers = ["compile.generate=True", "compile.trajectory=True", "compile.loss_step=True", "compile.rollout=False",
+              "compile.layers=True"]
+    rows, stderr = _tune_run(folder, tmp_path / "run", *layers,
+                             env={"TORCHTUNE_PPO_COMPILE_BACKEND": "eager", "TORCH_LOGS": "dynamo"})
+    _, eager = eager_run
+    assert len(rows) == 2 and rows[1]["recompiles"] == 0, rows
+    traced = Counter(re.findall(r"torchdynamo done tracing (\w+)", stderr))
+    uses = {name: traced[name] for name in ("_layer_decode", "_layer_prefill", "_layer_infer", "_layer_train")}
+    assert uses == LAYER_TRACES, traced
+    # each region's graph after its trunk, traced once (before its trunk the graphs are empty)
+    for region in ("generate_next_token", "packed_ppo_loss_step", "packed_score_trajectory", "prefill"):
+        resumed = [n for n in traced if n.startswith(f"torch_dynamo_resume_in_{region}_at_")]
+        assert resumed and all(traced[n] == 1 for n in resumed), traced
+    speed = ("time/", "tokens_per_second", "generated_tokens_per_second", "peak_memory")
+    for step in range(2):
+        keys = [k for k in eager[step] if not k.startswith(speed)]
+        for key in keys:
+            assert rows[step][key] == pytest.approx(eager[step][key], rel=1e-6, abs=1e-12), (step, key)

@@ -92,15 +92,28 @@ def _hidden(model, tokens, mask, pos):
     return final_hidden_states(model, tokens, mask=mask, input_pos=pos)
 
 
-def test_eager_calls_never_use_the_layer_steps(recorders):
+def test_a_use_without_a_step_runs_as_written(recorders):
+    """A region left eager has no step for its use (``layer_steps(trajectory=False)``): its
+    layers run in eager as before, while the use that has one goes through the compiled layer."""
     model = tiny_policy()
     tokens, mask, pos = _packed(3, 8)
-    expected = _hidden(model, tokens, mask, pos)
-    compiling.use_layers([model], _steps(recorders))
-    assert torch.equal(_hidden(model, tokens, mask, pos), expected)
+    with torch.no_grad():
+        expected = _hidden(model, tokens, mask, pos)
+    steps = _steps(recorders)._replace(infer=None)
+    compiling.use_layers([model], steps)
+    with torch.no_grad():
+        assert torch.equal(_hidden(model, tokens, mask, pos), expected)
     assert all(not r.graphs for r in recorders.values())
+    _hidden(model, tokens, mask, pos).sum().backward()  # the train use has a step
+    assert len(recorders["train"].graphs) == 1
     compiling.use_layers([model], None)
     assert getattr(model, LAYER_STEPS_ATTR) is None
+
+
+def test_layer_steps_follow_the_compiled_regions():
+    steps = compiling.layer_steps(generate=False, trajectory=True, loss_step=False)
+    assert steps.decode is None and steps.prefill is None and steps.train is None
+    assert callable(steps.infer)
 
 
 def test_one_layer_graph_serves_every_layer_of_every_model(recorders):

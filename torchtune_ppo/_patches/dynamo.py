@@ -1,5 +1,5 @@
 """Dynamo internals (written for torch 2.13): the compile stance, the graph counter, dynamic
-dimensions, and skipping guard evaluation.
+dimensions, nested graph breaks, and skipping guard evaluation.
 
 torch has no public getter for the stance set by ``torch.compiler.set_stance``
 (``torch._dynamo.eval_frame._stance``), nor a public count of compiled graphs
@@ -8,8 +8,9 @@ torch has no public getter for the stance set by ``torch.compiler.set_stance``
 """
 
 import contextlib
+import functools
 import inspect
-from typing import ContextManager, Sequence, TypeVar
+from typing import Any, Callable, ContextManager, Sequence, TypeVar
 
 import torch
 
@@ -80,6 +81,21 @@ def mark_layout_dynamic(layout: T) -> T:
     torch._dynamo.mark_dynamic(kv_index, [0, 1])
     torch._dynamo.mark_dynamic(mask, [0, 1, 2])
     return layout
+
+
+def with_nested_graph_breaks(compiled: Callable) -> Callable:
+    """``compiled`` (a ``torch.compile``'d function) called with dynamo's ``nested_graph_breaks``
+    on, only for the call: a graph break inside a function the region calls (a trunk run by
+    ``compile.layers``) resumes in that function, instead of bubbling up to the region and
+    compiling every function between them as a frame of its own, whose guards would add a cache
+    entry per use and per shape towards ``recompile_limit``."""
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(nested_graph_breaks=True):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def skip_guard_checks(enabled: bool) -> ContextManager:

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, List, NamedTuple, Optional
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torchtune.modules import TransformerDecoder
+from torchtune.modules import MultiHeadAttention, TransformerDecoder
 
 from torchtune_ppo._patches.dynamo import dynamic_dims, mark_dynamic_dims
 
@@ -220,13 +220,12 @@ def final_hidden_states(
         )
     if isinstance(model, FSDPModule):
         return _hidden_states_through_root(model, tokens, mask=mask, input_pos=input_pos)
+    use = _layer_use(model, tokens)
+    if use is not None:  # compile.layers: a compiled region's graph breaks here
+        return _through_layer_steps(model, tokens, mask, input_pos, use)
     h = model.tok_embeddings(tokens)
-    steps = getattr(model, LAYER_STEPS_ATTR, None)
-    if steps is not None and torch.compiler.is_compiling():
-        h = _through_layer_steps(model, h, mask, input_pos, steps)  # the region's graph breaks here
-    else:
-        for layer in model.layers:
-            h = layer(h, mask=mask, input_pos=input_pos)
+    for layer in model.layers:
+        h = layer(h, mask=mask, input_pos=input_pos)
     return model.norm(h)
 
 
@@ -236,43 +235,76 @@ LAYER_STEPS_ATTR = "_torchtune_ppo_layer_steps"
 class LayerSteps(NamedTuple):
     """One transformer layer's call ``(layer, h, mask, input_pos) -> h``, compiled once per use
     (:func:`torchtune_ppo.compile.layer_steps`), each its own function so that each keeps its
-    own graphs and guards.
+    own graphs and guards; None for a use whose region is not compiled (its layers run as
+    written, unrolled in eager).
 
     Attributes:
-        decode (Callable): one token per row, written to the KV cache.
-        prefill (Callable): several tokens per row written to the KV cache (prefill, extend).
-        infer (Callable): no KV cache, no grad (scoring, evaluation's reads).
-        train (Callable): with grad (the loss step).
+        decode (Optional[Callable]): one token per row, written to the KV cache.
+        prefill (Optional[Callable]): several tokens per row written to the KV cache (prefill, extend).
+        infer (Optional[Callable]): no KV cache, no grad (scoring).
+        train (Optional[Callable]): with grad (the loss step).
     """
 
-    decode: Callable
-    prefill: Callable
-    infer: Callable
-    train: Callable
+    decode: Optional[Callable]
+    prefill: Optional[Callable]
+    infer: Optional[Callable]
+    train: Optional[Callable]
 
 
 def use_layer_steps(model: nn.Module, steps: Optional[LayerSteps]) -> None:
-    """Compiled regions that call :func:`final_hidden_states` on ``model`` run its layers
-    through ``steps`` (None: unrolled in the region's graph, as before). Eager calls never do."""
+    """:func:`final_hidden_states` on ``model`` runs its trunk through ``steps`` for each use
+    that has one (None: every layer in the caller's graph, or eager, as before).
+
+    An attention module that never had a KV cache holds ``kv_cache = None`` as a plain
+    attribute, one whose cache was detached holds it as a registered child; the compiled
+    layer's guards tell the two apart, so every attention module here gets the registered form
+    and the policy's and value model's layers share one training graph.
+    """
     object.__setattr__(model, LAYER_STEPS_ATTR, steps)
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention) and "kv_cache" not in module._modules and module.kv_cache is None:
+            del module.kv_cache
+            module.register_module("kv_cache", None)
+
+
+def _layer_use(model: nn.Module, tokens: torch.Tensor) -> Optional[str]:
+    # Which of LayerSteps' uses this call of final_hidden_states is, if the model has a step for
+    # it. Decided by the call, not by whether a region is being traced: a trunk that dynamo runs
+    # as a frame of its own (a graph break bubbles up through the functions that call it) keeps
+    # its compiled layers even where that frame falls back to eager.
+    steps = getattr(model, LAYER_STEPS_ATTR, None)
+    if steps is None:
+        return None
+    if getattr(model.layers[0], "caches_are_enabled", lambda: False)():
+        use = "decode" if tokens.shape[1] == 1 else "prefill"
+    else:
+        use = "train" if torch.is_grad_enabled() else "infer"
+    return use if getattr(steps, use) is not None else None
 
 
 @torch.compiler.disable
-def _through_layer_steps(model: nn.Module, h: torch.Tensor, mask, input_pos: torch.Tensor,
-                         steps: LayerSteps) -> torch.Tensor:
-    # Runs eagerly between the region's graphs: a Python loop over compiled layer calls, so
-    # the layer is traced and compiled once per use for every layer of every model.
-    first = model.layers[0]
-    if getattr(first, "caches_are_enabled", lambda: False)():
-        step = steps.decode if h.shape[1] == 1 else steps.prefill
-    else:
-        step = steps.train if torch.is_grad_enabled() else steps.infer
+def _through_layer_steps(model: nn.Module, tokens: torch.Tensor, mask, input_pos: torch.Tensor,
+                         use: str) -> torch.Tensor:
+    # The whole trunk, eagerly between the region's graphs: the embedding, a Python loop over
+    # compiled layer calls (one layer traced and compiled once per use for every layer of every
+    # model), the final norm. A tensor crossing a graph break reaches the next graph without the
+    # dynamic marks of the region's inputs, so the sizes the region has dynamic (its
+    # ``input_pos``'s) are marked here on what crosses: the tokens and masks the next trunk reads
+    # again, and the hidden states returned. A region must make no other tensor of dynamic size
+    # before a trunk and use it after (the loss step and scoring run their trunks first).
+    step = getattr(getattr(model, LAYER_STEPS_ATTR), use)
+    cached = use in ("decode", "prefill")
     dims = dynamic_dims(input_pos)
-    if dims:  # the region's packed rows are dynamic in these sizes: so is each layer's graph
-        mark_dynamic_dims(h, dims)
-    for layer in model.layers:
-        h = step(layer, h, mask, input_pos)
-    return h
+    h = model.tok_embeddings(_marked(tokens, dims))
+    if not cached and isinstance(mask, torch.Tensor) and mask.dim() == 3:  # [b, s, s], made in the region
+        _marked(mask, dims | ({2} if 1 in dims else set()))
+    for layer in model.layers:  # each layer's output is a new tensor: marked before the next call
+        h = step(layer, _marked(h, dims), mask, input_pos)
+    return _marked(model.norm(h), dims)
+
+
+def _marked(t: torch.Tensor, dims: "frozenset[int]") -> torch.Tensor:
+    return mark_dynamic_dims(t, dims) if dims else t
 
 
 class _Identity(nn.Module):

@@ -106,12 +106,16 @@ def packed_ppo_loss_step(
         the rollout/training mismatch).
     """
     masks = block_causal_masks(segment_ids, prefix_ids) if attention is None else attention  # [R, L, L]
-    h = final_hidden_states(policy_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
+    # Both trunks before any read: with compile.layers each trunk is a graph break, across
+    # which only the inputs and the trunks' own tensors keep their dynamic sizes.
+    h = final_hidden_states(policy_model, tokens, mask=masks, input_pos=position_ids)
+    h_value = (None if value_model is None else
+               final_hidden_states(value_model, tokens, mask=masks, input_pos=position_ids))
     pi_logprobs, entropy = rlhf.read_logprobs_and_entropy(
-        policy_model.output, h, read_positions, targets, temperature, entropy_grad=entropy_coeff != 0)  # [C, K]
+        policy_model.output, h.flatten(0, 1), read_positions, targets, temperature,
+        entropy_grad=entropy_coeff != 0)  # [C, K]
     if value_model is not None:
-        h = final_hidden_states(value_model, tokens, mask=masks, input_pos=position_ids).flatten(0, 1)
-        phi_values = rlhf.read_values(value_model.output, h, read_positions)  # [C, K]
+        phi_values = rlhf.read_values(value_model.output, h_value.flatten(0, 1), read_positions)  # [C, K]
     else:  # critic-free: no value forward, no value loss
         phi_values = old_values
 

@@ -267,28 +267,33 @@ def packed_score_trajectory(
     tokens = qr.flatten()[plan.token_src]  # [R, L]
     packed_masks = (block_causal_masks(plan.segment_ids, plan.prefix_ids) if plan.attention is None
                     else plan.attention)  # [R, L, L] or by sequence
-    targets = responses.flatten()[plan.read_targets]  # [C, K]
     reads, temperature = plan.read_positions, settings.temperature
 
-    def hidden(model: nn.Module) -> torch.Tensor:  # [R * L, D]
-        h = final_hidden_states(model, tokens, mask=packed_masks, input_pos=plan.position_ids)
-        return h.flatten(0, 1)
+    def hidden(model: nn.Module) -> torch.Tensor:  # [R, L, D]
+        return final_hidden_states(model, tokens, mask=packed_masks, input_pos=plan.position_ids)
 
     def to_rows(x: torch.Tensor) -> torch.Tensor:  # [C, K] -> [b, T]
         return x.flatten()[plan.read_index]
 
+    # Every trunk before any read: with compile.layers each trunk is a graph break, across which
+    # only the inputs and the trunks' own tensors keep their dynamic sizes.
+    h_policy = hidden(policy_model) if logprobs is None else None
+    h_ref = hidden(ref_policy_model)
+    h_value = None if value_model is None else hidden(value_model)
+    if reward_model is not None:  # on the value model's base (lora.SharedBaseReward): its adapters off
+        h_last = lora.base_adapters_off(reward_model, hidden)
+    targets = responses.flatten()[plan.read_targets]  # [C, K]
     # step 2: policy and reference logprobs of the responses
     if logprobs is None:
-        logprobs = to_rows(rlhf.read_logprobs(policy_model.output, hidden(policy_model), reads, targets, temperature))
-    ref_logprobs = to_rows(rlhf.read_logprobs(ref_policy_model.output, hidden(ref_policy_model), reads,
-                                              targets, temperature))
+        logprobs = to_rows(rlhf.read_logprobs(policy_model.output, h_policy.flatten(0, 1), reads, targets, temperature))
+    ref_logprobs = to_rows(rlhf.read_logprobs(ref_policy_model.output, h_ref.flatten(0, 1), reads, targets,
+                                              temperature))
     # step 3: values of the states before each response token (none for a critic-free run)
     values = (torch.zeros_like(ref_logprobs) if value_model is None
-              else to_rows(rlhf.read_values(value_model.output, hidden(value_model), reads)))
+              else to_rows(rlhf.read_values(value_model.output, h_value.flatten(0, 1), reads)))
     # step 5: the reward model at each row's last valid token
-    if reward_model is not None:  # on the value model's base (lora.SharedBaseReward): its adapters off
-        last = lora.base_adapters_off(reward_model, lambda m: hidden(m)[plan.last_positions])
-        scores = reward_model.output(last)[:, 0].float()
+    if reward_model is not None:
+        scores = reward_model.output(h_last.flatten(0, 1)[plan.last_positions])[:, 0].float()
 
     return finish_trajectory(
         qr, response_padding_masks, masks, padded_positions, logprobs, ref_logprobs, values,

@@ -45,6 +45,9 @@ ROWS = {
         "generate": True, "trajectory": True, "loss_step": False, "rollout": False}}),
     "ours_all": Row("ours, + compile.loss_step (all)", "ours", {"compile": {
         "generate": True, "trajectory": True, "loss_step": True, "rollout": False}}),
+    # compile.layers: one layer compiled per use, the regions compiled around the layer stack.
+    "ours_layers": Row("ours, all compiled, compile.layers", "ours", {"compile": {
+        "generate": True, "trajectory": True, "loss_step": True, "rollout": False, "layers": True}}),
     # share_group_prefill: a group's prompt computed once (generation, scoring, loss step; a GRPO config).
     "ours_eager_shared": Row("ours, eager, share_group_prefill", "ours", {"share_group_prefill": True, "compile": {
         "generate": False, "trajectory": False, "loss_step": False, "rollout": False}}),
@@ -65,10 +68,11 @@ ROWS = {
 QUICK_ROWS = ("tt_eager", "ours_eager")
 # --cpu-large: every row but compile.rollout, whose one graph unrolls all T = 64 decode steps
 # (on the tiny task, T = 24, it already took 435 s to compile); --rows still runs it.
-CPU_LARGE_ROWS = tuple(name for name in ROWS if name != "ours_rollout" and not name.endswith(("_shared", "_segments")))
+CPU_LARGE_ROWS = tuple(name for name in ROWS if name != "ours_rollout"
+                       and not name.endswith(("_shared", "_segments", "_layers")))
 # The default rows: the _shared ones only differ on a config with num_samples_per_prompt > 1, the
 # _segments ones are an A/B of segment_attention (--rows).
-DEFAULT_ROWS = tuple(name for name in ROWS if not name.endswith(("_shared", "_segments")))
+DEFAULT_ROWS = tuple(name for name in ROWS if not name.endswith(("_shared", "_segments", "_layers")))
 
 
 # A row name may carry a dtype, ``<row>@fp32`` or ``<row>@bf16``: the same row in that dtype

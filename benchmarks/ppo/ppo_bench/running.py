@@ -23,7 +23,7 @@ BENCHMARKS = BENCH_DIR.parent  # benchmarks: bench_common
 # intermediate rows, and compile.rollout (one unrolled graph, the longest compile) last.
 RUN_ORDER = ("tt_eager", "tt_kv", "ours_eager", "ours_all", "tt_compile", "ours_generate",
              "ours_trajectory", "ours_rollout", "ours_eager_shared", "ours_generate_shared",
-             "ours_eager_segments", "ours_all_segments")
+             "ours_eager_segments", "ours_all_segments", "ours_layers")
 
 
 def make_worker(name: str, spec_path: Path, work: Path, logs: Path,
