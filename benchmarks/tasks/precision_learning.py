@@ -40,12 +40,23 @@ METRIC = "val/heldout/pass@1"
 TARGET = 0.5
 
 
-def command(config: str, dtype: str, seed: int, run_dir: Path, keep_ood: bool, extra: List[str]) -> List[str]:
-    cmd = ["tune", "run", "ppo_full_finetune", "--config", str(ROOT / CONFIGS[config]),
-           f"output_dir={run_dir}", f"dtype={dtype}", f"seed={seed}", "log_samples_every_n_steps=null"]
-    if not keep_ood:
-        cmd.append("~eval.datasets.ood")
-    return cmd + extra
+def config_file(config: str, out: Path, keep_ood: bool) -> Path:
+    """The shipped config, or a copy without the ``ood`` evaluation set (torchtune's ``~key``
+    removes top-level keys only)."""
+    if keep_ood:
+        return ROOT / CONFIGS[config]
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(ROOT / CONFIGS[config])
+    del cfg.eval.datasets["ood"]
+    path = out / f"{config}_heldout_only.yaml"
+    OmegaConf.save(cfg, path)
+    return path
+
+
+def command(config_path: Path, dtype: str, seed: int, run_dir: Path, extra: List[str]) -> List[str]:
+    return ["tune", "run", "ppo_full_finetune", "--config", str(config_path), f"output_dir={run_dir}",
+            f"dtype={dtype}", f"seed={seed}", "log_samples_every_n_steps=null", *extra]
 
 
 def summarize(run_dir: Path) -> Dict[str, Any]:
@@ -150,7 +161,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             core, (config, dtype, seed) = free.pop(0), todo.pop(0)
             name = f"{config}_{dtype}_seed{seed}"
             log = open(out / f"{name}.log", "w")
-            cmd = command(config, dtype, seed, out / name, args.keep_ood, list(args.set))
+            cmd = command(config_file(config, out, args.keep_ood), dtype, seed, out / name, list(args.set))
             # this checkout's recipe and library, whatever copy is installed
             path = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "recipes"), os.environ.get("PYTHONPATH")) if p)
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
