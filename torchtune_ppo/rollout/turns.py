@@ -397,8 +397,14 @@ class TurnRunner:
     def _render(self, observation: str) -> Tuple[str, List[int], int]:
         """The observation's tokens, the text cut (from its end) until they fit; 1 if cut."""
         limit = self.settings.max_observation_tokens
+        # 256 characters is a generous bound on the text one token covers, so no more of the text
+        # than limit times that can be kept: cut there first, so that a huge observation (megabytes
+        # of a tool's output) is never tokenized whole. A text within the bound is read as before;
+        # a token longer than the bound would only make a huge observation cut shorter.
+        bound = limit * 256
+        cut = int(len(observation) > bound)
+        observation = observation[:bound]
         ids = self.renderer.tokens(observation)
-        cut = 0
         while len(ids) > limit and observation:
             cut = 1
             observation = observation[: len(observation) * 3 // 4]
