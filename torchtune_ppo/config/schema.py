@@ -415,6 +415,13 @@ EVAL = Block(
         Key("early_stop_patience", Count(optional=True), None,
             "stop the run (after saving) once this many evaluations in a row have not improved on the best; "
             "null: never"),
+        Key("on_error", Choice(options=("stop", "skip")), "stop",
+            "what an evaluation that raises (its reward, its prompts' generation) does: `stop` ends the run "
+            "with the error, the steps completed before it saved, and a resume runs that evaluation again; "
+            "`skip` logs a warning with the cause and trains on without that evaluation (no `val/` row, no "
+            "best or early-stop count from it; one process only, under several a failure stops the run). "
+            "`stop` by default: an evaluation that fails once fails at every step, and a run that trains on "
+            "without one keeps no best checkpoint and never stops early, unseen"),
     ),
 )
 
