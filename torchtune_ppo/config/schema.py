@@ -441,7 +441,15 @@ TURNS = Block(
             "KV cache columns after the prompt; rows decode in lockstep, so a row that finished its turn "
             "leaves a gap while the others write theirs; null: 2 * `max_generated_tokens`"),
         Key("timeout_s", Number(gt=0, optional=True), 10.0,
-            "an environment step running longer ends the row's episode (counted, logged); null: no limit"),
+            "an environment step running longer ends the row's episode (counted, logged) and is stopped "
+            "(with `isolation: process`); null: no limit, the step is called directly in the run's thread"),
+        Key("isolation", Choice(options=("process", "thread")), "process",
+            "where an environment step with a `timeout_s` runs. `process`: in a worker process forked from the "
+            "run (the environment needs no pickling; ~55 us a call), killed and replaced when a step overruns, "
+            "so no step hangs the run or runs on after its timeout; `thread`: in a worker thread (~40 us a "
+            "call), abandoned when a step overruns: it cannot be stopped, runs on, and one that holds the "
+            "interpreter lock stalls the run. `thread` is for an environment that needs the GPU or state the "
+            "run changes. See [Multi-turn rollouts](multi_turn.md)"),
         Key("stop_strings", Strings(optional=True), None,
             "a turn also ends once its text holds one of these (e.g. a tool call's closing tag `</calc>`): "
             "its tokens after the one that completes it are dropped, as if never sampled; null: a turn ends at "
