@@ -244,7 +244,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         """Runs PPO steps until ``num_ppo_steps``; ``on_step(step, metrics)`` is called after each.
 
         SIGINT, SIGTERM or SIGHUP finishes the current step, saves a checkpoint and exits. An exception
-        saves the state after the last completed step when it can (see ``StepInProgress``).
+        saves the state after the last completed step when it can (see ``StepInProgress``); one in
+        an evaluation finds every step run complete.
         """
         progress_ = self._progress
         pbar = tqdm(total=progress_.num_ppo_steps, initial=progress_.steps_run, desc="PPO", dynamic_ncols=True,
@@ -253,9 +254,10 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             log.info(progress_.start_note())
         self._profiler.start()
         resume = resume_command(sys.argv, self._output_dir)
+        nothing_to_train = progress_.nothing_to_train()  # resumed after its last step or its early stop
         try:
             with stop_on_signals() as stop:
-                self._evaluator.when_due(progress_)  # the starting policy, before step 1
+                self._evaluate()  # the starting policy, before step 1 (resumed: the saved step's, if unfinished)
                 while not progress_.done and not stop:
                     self._run_epoch(on_step, pbar, stop)
             if progress_.unsaved:
@@ -270,7 +272,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._profiler.stop()
         pbar.close()
         if self._is_rank_zero:
-            log.info(run_summary(self._score_history, self._output_dir, self._progress.evaluation))
+            log.info(run_summary(self._score_history, self._output_dir, self._progress.evaluation, nothing_to_train))
         if stop:
             if self._is_rank_zero:
                 log.warning(f"Stopped after step {progress_.global_step}. To continue: {resume}")
@@ -299,11 +301,31 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             if on_step is not None:
                 on_step(progress_.global_step, metrics)
             stop.agree()  # every rank leaves after the same step
-            if self._evaluator.when_due(progress_) or progress_.save_due():  # a new best evaluation is saved too
+            # A due checkpoint (the last step's too) before the step's evaluation, which may fail or be killed.
+            if progress_.save_due() or progress_.all_steps_run:
                 self.save_checkpoint(progress_.global_step)
+            self._evaluate()
             if progress_.done or stop:
                 return
         progress_.end_epoch()
+
+    def _evaluate(self) -> None:
+        """The evaluation due after the steps run, if any. A new best after step 0 gets its
+        checkpoint; when the step's checkpoint was written before the evaluation, the evaluation
+        is recorded in it, so that a resume from it neither repeats nor loses that evaluation (one
+        that never finished runs again). A failure in it is the evaluation's (``eval.on_error``)."""
+        progress_ = self._progress
+        if not self._evaluator.due(progress_):
+            return
+        step = progress_.global_step
+        self._step.evaluation_begins()  # every step run is complete: a failure now saves the last one
+        best = self._evaluator.when_due(progress_)
+        record = progress_.evaluation
+        if progress_.last_saved_step != step:
+            if best:
+                self.save_checkpoint(step)
+        elif record.history and record.history[-1]["step"] == step:
+            self._checkpoints.record_evaluation(step, record.state_dict())
 
     def _log(self, metrics: Dict[str, float], pbar: tqdm, ppo_step: bool = True) -> None:
         if self._progress.global_step % self._log_every_n_steps == 0:

@@ -16,7 +16,17 @@ checkpoint by the next attempt:
   weights or training state) before a resume, which must set it aside (renamed, never deleted),
   go on from the one before and save that step again; then SIGTERM at a random moment;
 - ``data_edit``: the run's data file edited before a resume, which must refuse to start (exit 1,
-  naming the file, nothing on disk touched); the file is then restored.
+  naming the file, nothing on disk touched); the file is then restored;
+- ``env_hangs``: a random environment step of the attempt hangs for good, holding the interpreter
+  lock (a regular expression that backtracks for hours); ``turns.timeout_s`` must stop it and the
+  failure stop the run (``turns.max_env_failures=0``: exit 1, the last completed step saved);
+- ``env_exits``: a random environment step calls ``sys.exit(3)`` or ``os._exit(3)``; the run must
+  stop the same way (exit 1, the last completed step saved), never silently or with nothing saved.
+
+When an ``env_*`` fault can be drawn, every run (the uninterrupted one too) is a multi-turn run
+with :class:`ChaosEnv`, which answers some first turns with an observation and ends every other
+episode, so that the other faults hit the multi-turn rollout as well; otherwise the runs are
+single-turn.
 
 A run that reaches its last step before the faults are spent is followed by a fresh one
 (``chaos_<k>``), each compared with the same uninterrupted run. After every attempt each
@@ -51,8 +61,47 @@ FAULTS = ("sigkill", "sigkill_during_save", "sigterm", "reward_raises", "full_di
           "data_edit")
 DATA_FNAME = "prompts.json"  # the run's prompts, a copy of the tiny task's, in the workdir
 SAVE_POINTS = ("after_policy", "after_value", "after_training_state", "before_rename")
+FAULTS += ("env_hangs", "env_exits")
+ENV_FAULTS = ("env_hangs", "env_exits")
 RAISE_ENV = "CHAOS_RAISE_AT_ROLLOUT"  # the n-th rollout of this process raises
-HOOK_ENVS = ("TORCHTUNE_PPO_CRASH_DURING_SAVE", "TORCHTUNE_PPO_FULL_DISK_DURING_SAVE", RAISE_ENV)
+ENV_FAULT = "CHAOS_ENV_FAULT"  # "<how>:<n>": the n-th environment step (of a worker) hangs or exits
+HOOK_ENVS = ("TORCHTUNE_PPO_CRASH_DURING_SAVE", "TORCHTUNE_PPO_FULL_DISK_DURING_SAVE", RAISE_ENV, ENV_FAULT)
+# With env_* faults: every run has the environment; a stuck step is stopped after 2 s and any
+# failed step stops the run after its episodes, so that the step is run again on resume.
+ENV_OVERRIDES = ["env._component_=chaos.ChaosEnv", "turns.observation_template='{observation}'",
+                 "turns.timeout_s=2", "turns.max_env_failures=0"]
+EXIT_HOWS = ("sys.exit", "os._exit")
+_run_overrides: List[str] = []  # ENV_OVERRIDES when env_* faults can be drawn (main)
+
+
+# ----------------------------------------------------------------------------- the environment
+
+
+class ChaosEnv:
+    """Answers the first turn of an episode with an even seed with ``" ok"`` and ends every other
+    episode; with ``CHAOS_ENV_FAULT=<how>:<n>`` in the environment, its ``n``-th step (counted in
+    the process that runs the steps) misbehaves: ``hang`` (a regular expression that backtracks
+    for hours, holding the interpreter lock), ``sys.exit`` or ``os._exit``."""
+
+    def __init__(self) -> None:
+        how, _, n = os.environ.get(ENV_FAULT, "").partition(":")
+        self.how, self.at, self.calls = how, int(n or 0), 0
+
+    def step(self, conversation, turn):
+        import re
+
+        from torchtune_ppo.envs import EnvStep
+
+        self.calls += 1
+        if self.calls == self.at:
+            if self.how == "hang":
+                re.match(r"(a+)+$", "a" * 40 + "b")
+            elif self.how == "sys.exit":
+                sys.exit(3)
+            elif self.how == "os._exit":
+                os._exit(3)
+        first = not any(role == "tool" for role, _ in conversation.turns)
+        return EnvStep(" ok" if first and conversation.seed % 2 == 0 else None)
 
 
 # ----------------------------------------------------------------------------- the worker process
@@ -96,7 +145,8 @@ def _data(out: Path) -> Path:
 
 def _start(out: Path, steps: int, resume: bool, log, **hooks: str) -> subprocess.Popen:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", f"output_dir={out}",
-           f"num_ppo_steps={steps}", *SHAPE, f"dataset.data_files={_data(out)}", f"resume_from_checkpoint={resume}"]
+           f"num_ppo_steps={steps}", *SHAPE, *_run_overrides, f"dataset.data_files={_data(out)}",
+           f"resume_from_checkpoint={resume}"]
     return subprocess.Popen(cmd, cwd=ROOT, env=_env(**hooks), stdout=log, stderr=log)
 
 
@@ -260,6 +310,10 @@ def attempt(out: Path, steps: int, fault: str, rng: random.Random, startup: floa
     elif fault == "reward_raises":
         hooks[RAISE_ENV] = str(rng.randint(1, 3))
         what = f"{fault}:rollout {hooks[RAISE_ENV]}"
+    elif fault in ENV_FAULTS:
+        how = "hang" if fault == "env_hangs" else rng.choice(EXIT_HOWS)
+        hooks[ENV_FAULT] = f"{how}:{rng.randint(1, 16)}"  # a step has 8 rows: one of its first two steps
+        what = f"{fault}:{hooks[ENV_FAULT]}"
     proc = _start(out, steps, resume, log, **hooks)
     if fault in ("sigkill", "sigterm", "sighup", "damaged_checkpoint"):
         sig = {"sigkill": signal.SIGKILL, "sighup": signal.SIGHUP}.get(fault, signal.SIGTERM)
@@ -289,7 +343,9 @@ def attempt(out: Path, steps: int, fault: str, rng: random.Random, startup: floa
 
 _EXPECTED_RC = {"sigkill": (-9, 0), "sigkill_during_save": (-9, 0), "sigterm": (128 + 15, -15, 0),
                 "reward_raises": (1, 0), "full_disk": (1, 0), "sighup": (128 + 1, -1, 0),
-                "damaged_checkpoint": (128 + 15, -15, 0), "data_edit": (1,)}
+                "damaged_checkpoint": (128 + 15, -15, 0), "data_edit": (1,),
+                # 0: the attempt reached the end of the run before its n-th environment step
+                "env_hangs": (1, 0), "env_exits": (1, 0)}
 
 
 def faulted_run(out: Path, ref: Path, steps: int, sequence: List[str], kinds: List[str], budget: int,
@@ -355,13 +411,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     for kind in sequence or kinds:
         if kind not in FAULTS:
             parser.error(f"unknown fault {kind!r}; choose from {', '.join(FAULTS)}")
+    if set(sequence or kinds) & set(ENV_FAULTS):
+        _run_overrides[:] = ENV_OVERRIDES
     args.workdir.mkdir(parents=True, exist_ok=True)
     from torchtune_ppo import asset_path
 
     shutil.copyfile(asset_path("tiny_sentiment/prompts.json"), args.workdir / DATA_FNAME)
     log = open(args.workdir / "processes.log", "w")
     ref, startup, per_step = reference(args.workdir, args.steps, log)
-    print(f"reference: {args.steps} steps, startup {startup:.1f}s, {per_step:.2f}s/step", flush=True)
+    print(f"reference: {args.steps} steps, startup {startup:.1f}s, {per_step:.2f}s/step, "
+          f"{'multi-turn (ChaosEnv)' if _run_overrides else 'single-turn'}", flush=True)
 
     problems, faults, rounds = [], 0, 0
     while faults < args.faults:  # a run that reaches its end before the faults are spent: another

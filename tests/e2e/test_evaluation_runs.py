@@ -8,13 +8,19 @@ greedy) is fixed by the seed: by ``val/response_length`` the best is step 4 (ste
 3.438, step 4 reaches 3.453), steps 6 and 8 do not improve on it, and patience 2 stops the run at
 step 8 of 16. Saving every 3 steps, step 4 is saved only because it is the new best, and kept
 only because pruning (``keep_last_n_checkpoints=2``) spares it.
+
+An evaluation that fails or is killed (``tests/faulty_rewards.py`` as ``eval.reward``, misbehaving
+while an environment variable is set) costs no completed step, and the resumed run, evaluating
+that step again, ends where the run without evaluation does.
 """
 
 import json
 import math
 import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 import torchtune_ppo
-from torchtune_ppo.checkpointing.store import load_training_state
+from torchtune_ppo.checkpointing.store import EVALUATION_FNAME, load_training_state
 from torchtune_ppo.run.logs import read_disk_log, read_eval_log
 
 from conftest import ROOT, TUNE
@@ -34,6 +40,9 @@ SHAPE = ["batch_size=8", "forward_batch_size=8", "ppo_batch_size=8", "log_sample
 EVAL = ["eval.every_n_steps=2", "eval.max_prompts=128", "eval.batch_size=64", "eval.best_metric=val/response_length"]
 STOPPING = ["num_ppo_steps=16", "eval.early_stop_patience=2", "save_every_n_steps=3", "keep_last_n_checkpoints=2"]
 STOP_STEP, BEST_STEP = 8, 4
+FAULT = "TORCHTUNE_PPO_TEST_EVAL_FAULT"  # set: the evaluation's reward misbehaves
+FAULTY_EVAL = ["num_ppo_steps=4", "eval.every_n_steps=2", "eval.before_training=False", "eval.max_prompts=16",
+               "eval.batch_size=16", f"eval.reward.env={FAULT}"]
 
 
 def _tune(out: Path, *overrides: str, env=None):
@@ -41,6 +50,22 @@ def _tune(out: Path, *overrides: str, env=None):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def _fault_env(fault: bool):
+    """The environment of a run whose ``eval.reward`` is in tests/faulty_rewards.py; ``fault``: it misbehaves."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env.pop(FAULT, None)
+    return {**env, FAULT: "1"} if fault else env
+
+
+def _faulty(out: Path, reward: str, *overrides: str, fault: bool = True, rc: int = 0):
+    cmd = [*TUNE, "run", "ppo_full_finetune", "--config", str(CONFIG), f"output_dir={out}", *SHAPE, *FAULTY_EVAL,
+           f"eval.reward._component_=faulty_rewards.{reward}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=_fault_env(fault))
+    assert proc.returncode == rc, f"{shlex.join(cmd)}\nrc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     return proc
 
 
@@ -192,3 +217,57 @@ def test_compiled_the_first_evaluation_after_step_1_is_not_a_recompile(evaluated
     for key, value in evals[0][1].items():  # step 2, which the eager run evaluated too
         if key != "time/eval":
             assert value == pytest.approx(eager[2][key], rel=1e-6), key
+
+
+def test_resuming_a_run_that_stopped_early_says_where_why_and_what_to_change(evaluated, tmp_path):
+    out, _ = evaluated
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    proc = _tune(resumed, *EVAL, *STOPPING, "resume_from_checkpoint=True")
+    assert re.search(
+        rf"Nothing to train: this run stopped early after step {STOP_STEP} \({STOP_STEP} of its num_ppo_steps=16 PPO "
+        rf"steps\): 2 evaluations in a row without a better val/response_length than the best, [\d.]+ at step "
+        rf"{BEST_STEP} \(eval.early_stop_patience=2\)\. To train on from step {STOP_STEP}, resume with an "
+        r"eval.early_stop_patience above 2, or null\.", proc.stderr), proc.stderr[-3000:]
+    assert "No step was logged" not in proc.stderr
+    assert _steps(resumed) == [BEST_STEP, 6, STOP_STEP]  # nothing trained, nothing saved
+
+
+def _assert_resumed_to_the_end(out: Path, plain: Path) -> None:
+    """Steps 3 and 4 trained after the resume, step 2 evaluated again first and step 4 after it (each
+    once in the record), and the weights of step 4 those of the run without evaluation."""
+    assert [s for s, _ in read_eval_log(out / "logs")] == [2, 4]
+    assert len(read_disk_log(out / "logs")) == 2
+    assert [h["step"] for h in load_training_state(out / "checkpoints" / "step_4")["evaluation"]["history"]] == [2, 4]
+    got, want = _weights(out, 4), _weights(plain, 4)
+    for model in want:
+        assert all(torch.equal(got[model][k], want[model][k]) for k in want[model]), model
+
+
+def test_a_failing_evaluation_saves_the_completed_steps_and_the_printed_command_resumes(plain, tmp_path):
+    """Nothing due for saving, the evaluation after step 2 raises: the run names the evaluation, saves
+    step 2 and prints a command that, run as printed once the reward is fixed, continues the run."""
+    out = tmp_path / "run"
+    proc = _faulty(out, "raises_while", "save_every_n_steps=100", rc=1)
+    assert re.search(r"PPO evaluation after step 2 failed \(\w+: .*the evaluation's reward failed", proc.stderr)
+    assert f"the state after step 2 is saved to {out / 'checkpoints' / 'step_2'}" in proc.stderr
+    assert "A resumed run evaluates step 2 again first" in proc.stderr and "during the update" not in proc.stderr
+    assert _steps(out) == [2]
+    (resume,) = re.findall(r"To continue: (tune run .*)$", proc.stderr, flags=re.M)
+    resume = shlex.split(resume)
+    assert resume[-2:] == [f"output_dir={out}", "resume_from_checkpoint=True"]
+    cmd = [*TUNE, *resume[1:]]
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=_fault_env(False))
+    assert again.returncode == 0, f"{shlex.join(cmd)}\n{again.stderr[-5000:]}"
+    _assert_resumed_to_the_end(out, plain)
+
+
+def test_a_kill_during_an_evaluation_keeps_the_checkpoint_due_before_it(plain, tmp_path):
+    """``save_every_n_steps=2``: step 2's checkpoint is written before step 2's evaluation, which
+    SIGKILLs the run; the resumed run evaluates step 2 again (it never finished) and trains on."""
+    out = tmp_path / "run"
+    _faulty(out, "kills_while", "save_every_n_steps=2", rc=-signal.SIGKILL)
+    assert _steps(out) == [2]
+    assert not (out / "checkpoints" / "step_2" / EVALUATION_FNAME).exists()
+    _faulty(out, "kills_while", "save_every_n_steps=2", "resume_from_checkpoint=True", fault=False)
+    _assert_resumed_to_the_end(out, plain)

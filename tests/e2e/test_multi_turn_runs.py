@@ -13,15 +13,21 @@ number of the final turn) is 0 for every such episode; in-process runs use
 """
 
 import math
+import os
+import signal
+import subprocess
+import time
 
+import faulty_envs
 import pytest
 import torch
 from ppo_full_finetune import PPOFullFinetuneRecipe
 
+from torchtune_ppo.checkpointing import store as checkpointing
 from torchtune_ppo.envs import Calculator
 from torchtune_ppo.run.logs import read_disk_log
 
-from conftest import ROOT, assert_compiled_matches_eager, recipe_config
+from conftest import RECIPE_SHAPE, ROOT, TUNE, assert_compiled_matches_eager, recipe_config
 
 TOOLS = "ppo_tiny_tools.yaml"
 TOOLS_CONFIG = ROOT / "recipes/configs/tiny" / TOOLS
@@ -312,7 +318,8 @@ class _Broken:
 def test_failing_environment_ends_episodes_not_the_run(make_recipe):
     """An environment that raises on every call: each episode ends at its first call, counted
     in ``turns/env_failures``; the run trains on the single-turn episodes."""
-    recipe, _ = make_recipe(TOOLS, num_ppo_steps=2, **FORCED)
+    # isolation thread: the test counts the calls in the environment, which a worker process would keep
+    recipe, _ = make_recipe(TOOLS, num_ppo_steps=2, **{"turns.isolation": "thread"}, **FORCED)
     recipe._rollout.turns.env = env = _Broken()
     rows = _train(recipe)
     assert len(rows) == 2
@@ -326,8 +333,9 @@ def test_max_env_failures_stops_the_run_after_saving_the_last_step(make_recipe, 
     """``turns.max_env_failures=0``: the failures of step 2 stop the run at the end of its episodes
     with an error naming the key; the state after step 1 is saved."""
     out = tmp_path / "stops"
+    # isolation thread: the environment is armed from this process, which a worker process would not see
     recipe, _ = make_recipe(TOOLS, output_dir=out, num_ppo_steps=3, save_every_n_steps=10,
-                            **{"turns.max_env_failures": 0}, **FORCED)
+                            **{"turns.max_env_failures": 0, "turns.isolation": "thread"}, **FORCED)
     recipe._rollout.turns.env = env = _Broken(armed=False)
     rows = []
 
@@ -343,3 +351,53 @@ def test_max_env_failures_stops_the_run_after_saving_the_last_step(make_recipe, 
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1"]
     assert (out / "checkpoints/step_1/COMPLETE").is_file()
     assert read_disk_log(out / "logs")[-1]["turns/env_failures"] == 0
+
+
+def test_an_environment_that_exits_ends_episodes_not_the_run(make_recipe):
+    """``sys.exit`` in every step of the environment (it used to end the run at once, exit 3,
+    with no message and nothing saved): each episode ends at its first call, the failure is
+    counted and named, and the run trains on."""
+    recipe, _ = make_recipe(TOOLS, num_ppo_steps=2, **FORCED)
+    recipe._rollout.turns.env = faulty_envs.Exits(call_pattern=CALL_A_NUMBER)
+    rows = _train(recipe)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["turns/env_failures"] > 0 and row["turns/tool_calls"] == 0 and row["turns/mean"] == 1
+        assert math.isfinite(row["loss"])
+    assert recipe._rollout.turns.last_failure == "Exits raised SystemExit: 3"
+
+
+def test_sigterm_during_a_hung_environment_step_finishes_the_step_and_saves(tmp_path):
+    """An environment step stuck in a regular expression that holds the interpreter lock, with
+    ``turns.timeout_s=1``: each such step is killed after a second (the run used to stay in
+    step 1 for good and ignore SIGTERM); a SIGTERM sent during one finishes the step, saves it
+    and exits 143, with no worker process left."""
+    out, pids = tmp_path / "run", tmp_path / "pids"
+    shape = [f"{k}={v}" for k, v in {**RECIPE_SHAPE, **FORCED}.items()]
+    cmd = [*TUNE, "run", "ppo_full_finetune", "--config", str(TOOLS_CONFIG), f"output_dir={out}", *shape,
+           "compile=False", "num_ppo_steps=50", "save_every_n_steps=100", "turns.timeout_s=1",
+           "env._component_=faulty_envs.Backtracks", f"env.mark={pids}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + 300  # a guard against hanging only
+            while not (pids.is_file() and pids.read_text()) and time.monotonic() < deadline:
+                assert proc.poll() is None, (tmp_path / "stderr").read_text()[-4000:]
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGTERM)  # during a stuck step
+            rc = proc.wait(timeout=300)  # ~10 s: the step's other rows, each stopped after 1 s
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    stderr = (tmp_path / "stderr").read_text()
+    assert rc == 128 + signal.SIGTERM, stderr[-6000:]
+    assert "SIGTERM received" in stderr and "Stopped after step 1." in stderr
+    assert "Backtracks.step did not return within 1.0 s (its worker process was killed)" in stderr
+    assert checkpointing.latest_checkpoint(out) == out / "checkpoints/step_1"
+    assert read_disk_log(out / "logs")[-1]["turns/env_failures"] > 0
+    for pid in {int(line) for line in pids.read_text().split()}:  # every stuck worker killed
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

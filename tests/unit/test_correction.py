@@ -40,6 +40,41 @@ def test_stats_of_two_halves_add_up_to_the_whole():
         assert joined.metrics()[key] == pytest.approx(value), key
 
 
+
+def _nearly_equal(n=4000):
+    """float32 logprobs of a rollout and a trainer that nearly agree: |d| log-uniform in
+    [1e-7, 1e-4]; ``d`` as float32 holds it (the difference of two close float32 is exact)."""
+    g = torch.Generator().manual_seed(0)
+    rollout = -3 * torch.rand(n, generator=g)
+    size = 10 ** (-7 + 3 * torch.rand(n, generator=g, dtype=torch.float64))
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    train = (rollout.double() + sign * size).float()
+    return train, rollout, train.double() - rollout.double()
+
+
+def test_k3_of_nearly_equal_logprobs_is_not_negative_in_float32():
+    """exp(d) - d - 1 rounds exp(d) to within 6e-8 of 1 and cancels to a negative mean here;
+    the value is ~d**2 / 2 >= 0."""
+    train, rollout, d = _nearly_equal()
+    k3 = mismatch_stats(train, rollout, torch.ones_like(train, dtype=torch.bool)).metrics()["rollout_corr/kl_k3"]
+    expected = float((torch.expm1(d) - d).mean())  # float64
+    assert k3 >= 0
+    assert k3 == pytest.approx(expected, rel=1e-2)
+
+
+@pytest.mark.parametrize("estimator", ["k3", "k3+"])
+def test_k3_kl_to_the_reference_is_not_negative_near_it_in_float32(estimator):
+    from torchtune_ppo.rlhf.kl import kl_estimate, kl_loss_estimate
+
+    train, rollout, d = _nearly_equal()
+    expected = torch.expm1(-d) + d  # k3 of ref - logp = -d, float64
+    for kl in (kl_loss_estimate(train, rollout, estimator),
+               *([kl_estimate(train, rollout, "k3")] if estimator == "k3" else [])):
+        assert (kl >= 0).all()
+        assert float(kl.double().mean()) == pytest.approx(float(expected.mean()), rel=1e-2)
+        # each within float32's rounding of expm1(x) ~ x, a few 1e-8 of |d|
+        assert ((kl.double() - expected).abs() <= 2e-7 * d.abs()).all()
+
 # --- TIS / MIS ----------------------------------------------------------------------------------
 
 LOG2 = math.log(2.0)

@@ -159,3 +159,80 @@ def test_the_progress_state_carries_the_identity(tmp_path):
     assert progress.state_dict()["data_identity"] == saved
     plain = Progress(num_ppo_steps=2, batches_per_epoch=1, value_pretrain=ValuePretraining(0, None, 5, 1.0))
     assert "data_identity" not in plain.state_dict()
+
+
+# ---- the data moved unchanged ---------------------------------------------------------------
+
+
+def test_files_moved_unchanged_are_the_same_data(tmp_path):
+    from torchtune_ppo.data.identity import moved_files
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    a = _write(tmp_path / "old/a.json", [{"prompt": "x"}])
+    b = _write(tmp_path / "old/b.json", [{"prompt": "y"}, {"prompt": "z"}])
+    saved = data_identity(_block(a, b), Rows([0, 1, 2]))
+    moved = [(tmp_path / "new" / p.name) for p in (a, b)]
+    for old, new in zip((a, b), moved):
+        old.rename(new)
+    assert data_changes(saved, data_identity(_block(*moved), Rows([0, 1, 2]))) == []
+    assert moved_files(saved, _block(*moved)) == [(str(a.resolve()), str(moved[0].resolve())),
+                                                  (str(b.resolve()), str(moved[1].resolve()))]
+    # other bytes at the new path are not the saved data
+    _write(moved[1], [{"prompt": "y"}, {"prompt": "Z"}])
+    assert moved_files(saved, _block(*moved)) is None
+    assert data_changes(saved, data_identity(_block(*moved), Rows([0, 1, 2]))) != []
+
+
+def _saved_run(tmp_path, data_files, identity):
+    """A checkpoint folder as a run saves it: its config and a training state with the data identity."""
+    import torch
+
+    from torchtune_ppo.checkpointing import resume_config as rc
+
+    folder = tmp_path / "run/checkpoints/step_2"
+    folder.mkdir(parents=True)
+    config = {"batch_size": 8, "seed": 0, "output_dir": str(tmp_path / "run"),
+              "dataset": {"_component_": "d", "source": "json", "data_files": data_files}}
+    (folder / rc.CONFIG_FNAME).write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+    torch.save({"data_identity": identity}, folder / rc.TRAINING_STATE_FNAME)
+    return folder, config
+
+
+def test_a_resume_over_the_data_moved_unchanged_is_taken_with_a_note(tmp_path, caplog):
+    from torchtune_ppo.checkpointing import resume_config as rc
+
+    path = _write(tmp_path / "prompts.json", [{"prompt": str(i)} for i in range(4)])
+    folder, config = _saved_run(tmp_path, str(path), data_identity(_block(path), Rows(range(4))))
+    moved = tmp_path / "elsewhere.json"
+    path.rename(moved)
+    new = {**config, "resume_from_checkpoint": True, "dataset": {**config["dataset"], "data_files": str(moved)}}
+    with caplog.at_level(logging.INFO):
+        assert rc.check_resume_config(folder, new) == []
+    assert "at a new path (the same size and sha256" in caplog.text
+    assert f"{path.resolve()} -> {moved.resolve()}" in caplog.text
+
+
+def test_a_resume_over_other_data_at_a_new_path_is_refused_naming_no_path_that_is_gone(tmp_path):
+    from torchtune_ppo.checkpointing import resume_config as rc
+
+    path = _write(tmp_path / "prompts.json", [{"prompt": str(i)} for i in range(4)])
+    identity = data_identity(_block(path), Rows(range(4)))
+    folder, config = _saved_run(tmp_path, str(path), identity)
+    moved = tmp_path / "elsewhere.json"
+    path.rename(moved)
+    _write(moved, [{"prompt": str(i)} for i in range(3)])  # and edited
+    new = {**config, "batch_size": 4, "dataset": {**config["dataset"], "data_files": str(moved)}}
+    with pytest.raises(rc.ResumeConfigError) as info:
+        rc.check_resume_config(folder, new)
+    message = str(info.value)
+    assert f"  dataset.data_files: saved {str(path)!r}, now {str(moved)!r}" in message
+    assert f"The saved data path {str(path)!r} no longer exists" in message
+    assert f"prompts.json: {identity['files'][0]['size']} bytes, sha256 {identity['files'][0]['sha256'][:12]}..." in message
+    # the way on names what can be given: the other key's saved value, not the path that is gone
+    assert "batch_size=8" in message and f"dataset.data_files={path}" not in message
+    # the saved path still there: it is the way on
+    _write(path, json.loads(moved.read_text()))
+    with pytest.raises(rc.ResumeConfigError) as info:
+        rc.check_resume_config(folder, new)
+    assert f"dataset.data_files={path}" in str(info.value) and "no longer exists" not in str(info.value)

@@ -159,3 +159,80 @@ def test_a_broken_link_or_anchor_is_found(tmp_path):
     problems = broken_links(page, root=tmp_path)
     assert [p.split(":")[0] for p in problems] == [
         "nothere.md", "other.md#part-2", "nothere.png", "../../outside.md", "#not-a-heading"], problems
+
+
+# Figures: every ratio and every decimal time the README and the docs state is a quote of
+# benchmarks/RESULTS.md, where the dated measurements live.
+
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+_NUMBER = r"\d+(?:\.\d+)?"
+# A number, or a range of two, directly before an "x" that ends a word.
+_RATIO = re.compile(rf"(?<![\w.\-]){_NUMBER}(?:-{_NUMBER})?x\b")
+# A number with a decimal point, or a range of two, then a space and a unit of time.
+_DECIMAL = r"\d+\.\d+"
+_TIME = re.compile(rf"(?<![\w.\-])({_DECIMAL})(?:-({_DECIMAL}))? (?:s|ms|min)\b")
+_NUMBER_TOKEN = re.compile(rf"(?<![\w.]){_NUMBER}(?![\w]|\.\d)")
+
+# (page, figure) pairs that are not measurements, each with its reason.
+NOT_MEASUREMENTS = {
+    # none yet: a figure that is a setting, not a measurement, goes here with its reason
+}
+
+
+def stated_figures(text: str) -> List[str]:
+    """The ratios and decimal times a page states in its prose (code and code spans left out)."""
+    found = []
+    for block in _prose_blocks(text):
+        prose = _CODE_SPAN.sub(" ", block)
+        found += [m.group(0) for m in _RATIO.finditer(prose)]
+        found += [m.group(0) for m in _TIME.finditer(prose)]
+    return found
+
+
+def unquoted_figures(text: str, results: str) -> List[str]:
+    """The figures of ``text`` that ``results`` does not state.
+
+    A ratio is a number or a range of two numbers written directly before an ``x`` that ends a
+    word: ``1.74x``, ``1.07-1.16x``, ``2x``. Hex (``0x1f``: its ``x`` does not end a word) and
+    products written with spaces (``16 x 49152``) are not ratios. It holds when RESULTS.md states
+    the same ratio written the same way (RESULTS' ratios are read with the same pattern, so
+    ``2x`` is not found inside ``1.2x`` and ``1.16x`` not inside ``1.07-1.16x``).
+
+    A decimal time is a number with a decimal point, or a range of two, followed by a space and
+    ``s``, ``ms`` or ``min``: ``61.7 s``, ``2.152-2.386 s``, ``14.42 ms``, ``8.1 min``. Whole
+    seconds (``435 s``) are not checked. It holds when each of its numbers appears in RESULTS.md
+    as a whole number token (its tables give seconds in columns headed ``(s)``, without a unit
+    after each cell); ``8.59`` is not found inside ``8.591`` or ``18.59``.
+    """
+    ratios = {m.group(0) for m in _RATIO.finditer(results)}
+    numbers = {m.group(0) for m in _NUMBER_TOKEN.finditer(results)}
+    missing = []
+    for figure in stated_figures(text):
+        if figure.endswith("x"):
+            if figure not in ratios:
+                missing.append(figure)
+        elif not all(n in numbers for n in re.findall(_DECIMAL, figure)):
+            missing.append(figure)
+    return missing
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[_name(p) for p in PAGES])
+def test_every_figure_is_a_quote_of_results(page):
+    """Each ratio and decimal time on the page appears in benchmarks/RESULTS.md (see
+    ``unquoted_figures`` for what counts and what matches): RESULTS holds the dated
+    measurements, the README and the docs quote them, so no page keeps a second version."""
+    missing = [f for f in unquoted_figures(page.read_text(), RESULTS.read_text())
+               if (_name(page), f) not in NOT_MEASUREMENTS]
+    assert not missing, (
+        f"{_name(page)} states figures benchmarks/RESULTS.md does not: {missing}. Quote "
+        "RESULTS' figure and link its dated section, add a ratio RESULTS' own figures give to "
+        "that section (saying how it follows), or drop the figure")
+
+
+def test_a_figure_results_does_not_state_is_found():
+    results = ("| row | step (s) |\n| --- | ---: |\n| a | 8.591 |\n\n"
+               "1.74x [1.65-2.90], the layers 1.07-1.16x, a goal of 3x, 61.7 s, 0x1f\n")
+    page = ("The step is 1.74x (8.591 s), where 1.7x, 1.16x and 2x are not stated, nor 8.59 s "
+            "or 61.70 s; 3x is the goal and 1.07-1.16x the range; 0x1f is hex, `9.9x` code, "
+            "16 x 49152 a shape, 435 s whole seconds.\n\n```\n7.7x in a block\n```\n")
+    assert unquoted_figures(page, results) == ["1.7x", "1.16x", "2x", "8.59 s", "61.70 s"]

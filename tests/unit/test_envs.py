@@ -3,17 +3,21 @@
 observation renderer (token-exact against SmolLM2's chat template; a plain template for the
 tiny tokenizer) and the chat_tools task's data."""
 
+import asyncio
 import builtins
+import faulthandler
 import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import faulty_envs
 import pytest
 
 import torchtune_ppo
@@ -165,15 +169,158 @@ def test_a_hung_environment_is_abandoned_after_the_timeout_in_a_daemon_thread():
     env = Waits()
     started = time.perf_counter()
     try:
-        assert safe_step(env, CONV, "t", timeout_s=0.2) == (EnvStep(None), "Waits.step did not return within 0.2 s")
+        assert safe_step(env, CONV, "t", timeout_s=0.2, isolation="thread") == (
+            EnvStep(None), "Waits.step did not return within 0.2 s (abandoned: it may still be running in its thread)")
         elapsed = time.perf_counter() - started
         assert 0.2 <= elapsed < 1.0, elapsed
         workers = [t for t in threading.enumerate() if t.name.startswith("env-step")]
         assert workers and all(t.daemon for t in workers)  # a hung one never blocks exit
         # the next call is served while the first still hangs
-        assert safe_step(Calculator(), CONV, "<calc>2+2</calc>", timeout_s=0.5) == (EnvStep("4"), None)
+        assert safe_step(Calculator(), CONV, "<calc>2+2</calc>", timeout_s=0.5, isolation="thread") == (
+            EnvStep("4"), None)
     finally:
         env.release.set()
+
+
+# An environment step that exits, hangs or crashes: faulty_envs (tests/) holds the environments.
+# (timeout_s, safe_step's other arguments): called directly, in a worker process (the default), in a thread
+PLACES = [pytest.param(None, {}, id="direct"), pytest.param(5.0, {}, id="process"),
+          pytest.param(5.0, {"isolation": "thread"}, id="thread")]
+
+
+@pytest.mark.parametrize("timeout_s, where", PLACES)
+def test_an_environment_that_exits_ends_its_episode_not_the_run(timeout_s, where):
+    """``sys.exit`` in a step (or any BaseException but a KeyboardInterrupt in the run's own
+    thread) is that step's failure, named like any other: it used to end the run silently."""
+    assert safe_step(faulty_envs.Exits(), CONV, "t", timeout_s=timeout_s, **where) == (
+        EnvStep(None), "Exits raised SystemExit: 3")
+
+    class Cancels:
+        def step(self, conversation, turn):
+            raise asyncio.CancelledError()
+
+    assert safe_step(Cancels(), CONV, "t", timeout_s=timeout_s, **where) == (
+        EnvStep(None), "Cancels raised CancelledError")
+    # and the next call is served as usual
+    assert safe_step(Calculator(), CONV, "<calc>2+2</calc>", timeout_s=timeout_s, **where) == (EnvStep("4"), None)
+
+
+def test_a_keyboard_interrupt_in_the_runs_own_thread_is_the_users():
+    """Called directly (no timeout), a KeyboardInterrupt is the user's second Ctrl-C: raised on.
+    In a worker it can only be the environment's own, and is its failure."""
+
+    class Interrupted:
+        def step(self, conversation, turn):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        safe_step(Interrupted(), CONV, "t", timeout_s=None)
+    for isolation in ("process", "thread"):
+        assert safe_step(Interrupted(), CONV, "t", timeout_s=5.0, isolation=isolation) == (
+            EnvStep(None), "Interrupted raised KeyboardInterrupt")
+
+
+_STOPS_A_GIL_HOLDER = """
+import signal, sys, time
+sys.path.insert(0, {tests!r})
+import faulty_envs
+from torchtune_ppo.envs import Conversation, safe_step
+
+stop = []  # as the recipe's stop request: a Python handler that only takes note
+signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+conv = Conversation("p", (), None, 0)
+print("calling", flush=True)
+for _ in range(2):
+    started = time.monotonic()
+    step, cause = safe_step(faulty_envs.Backtracks(), conv, "t", timeout_s=1.0)
+    print(repr(cause), round(time.monotonic() - started, 1), flush=True)
+print("stop requested:", stop == [signal.SIGTERM], flush=True)
+"""
+
+
+def test_a_step_that_holds_the_interpreter_lock_is_stopped_at_its_timeout_and_sigterm_is_heard():
+    """A regular expression that backtracks for hours in one C call never releases the
+    interpreter lock: in a worker thread it stalled the whole process past any timeout and past
+    SIGTERM. In its worker process it is killed at the timeout, and a SIGTERM sent meanwhile
+    reaches the run's Python handler at once (the recipe's stop request, which the run acts on
+    after the step: ``e2e/test_multi_turn_runs.py``). In a subprocess, so that a stall fails the
+    test at the guard instead of hanging it."""
+    code = _STOPS_A_GIL_HOLDER.format(tests=str(ROOT / "tests"))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.readline() == "calling\n"
+        time.sleep(0.3)  # the first call under way
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)  # a guard against the stall only; ~2 s here
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out + err
+    lines = out.splitlines()
+    assert len(lines) == 3, out + err
+    for line in lines[:2]:
+        assert line.startswith("'Backtracks.step did not return within 1.0 s (its worker process was killed)'"), out
+    assert lines[2] == "stop requested: True"
+
+
+@pytest.mark.parametrize("env_class", [faulty_envs.Spins, faulty_envs.Sleeps])
+def test_a_step_past_its_timeout_is_stopped_not_left_running(tmp_path, env_class):
+    """Each overrunning call used to leave its thread behind, spinning: a step got slower with
+    every one. Now the worker process of the call is killed, and the next call forks a new one."""
+    mark = tmp_path / "pids"
+    env = env_class(when="loop", mark=str(mark))
+    threads, causes = threading.active_count(), []
+    for _ in range(3):
+        causes.append(safe_step(env, CONV, "loop", timeout_s=0.2)[1])
+        assert safe_step(env, CONV, "12", timeout_s=5.0) == (EnvStep("12"), None)  # a fresh worker
+    assert threading.active_count() == threads  # no thread left behind
+    pids = [int(line) for line in mark.read_text().split()]
+    assert len(set(pids)) == 3 and os.getpid() not in pids
+    for pid in pids:  # each killed and reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert causes == [f"{env_class.__name__}.step did not return within 0.2 s (its worker process was killed)"] * 3
+
+
+def test_a_step_that_ends_its_worker_process_ends_its_episode():
+    """``os._exit`` or a crash in the step ends its worker, not the run; the next call forks another."""
+    env = faulty_envs.Crashes(when="crash")
+    assert safe_step(env, CONV, "crash", timeout_s=5.0) == (
+        EnvStep(None), "Crashes.step ended its worker process (exit code 7)")
+    assert safe_step(env, CONV, "12", timeout_s=5.0) == (EnvStep("12"), None)
+
+    class Segfaults:
+        def step(self, conversation, turn):
+            faulthandler.disable()  # pytest's traceback dump, in the worker, is noise here
+            os.kill(os.getpid(), signal.SIGSEGV)
+
+    assert safe_step(Segfaults(), CONV, "t", timeout_s=5.0) == (
+        EnvStep(None), "Segfaults.step ended its worker process (killed by SIGSEGV)")
+
+
+def test_a_worker_process_sees_the_environment_as_it_was_at_the_fork():
+    """The contract of ``isolation: process``: the step runs on the worker's copy of the
+    environment; what it changes stays there, and a new environment object gets a new worker."""
+
+    class Counts:
+        def __init__(self):
+            self.calls = 0
+
+        def step(self, conversation, turn):
+            self.calls += 1
+            return EnvStep(str(self.calls))
+
+    env = Counts()
+    assert [safe_step(env, CONV, "t", timeout_s=5.0)[0].observation for _ in range(3)] == ["1", "2", "3"]
+    assert env.calls == 0
+    assert safe_step(Counts(), CONV, "t", timeout_s=5.0)[0].observation == "1"
+
+
+def test_isolation_is_refused_by_its_key_unless_process_or_thread():
+    with pytest.raises(ValueError, match=r"turns\.isolation='fork': must be one of process, thread"):
+        safe_step(Calculator(), CONV, "t", timeout_s=1.0, isolation="fork")
 
 
 @pytest.mark.parametrize("value, cause", [

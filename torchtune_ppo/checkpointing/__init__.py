@@ -4,6 +4,7 @@ state in them, saved and restored by :class:`CheckpointClient` (:mod:`.training_
 from torchtune_ppo.checkpointing.store import (  # noqa: F401
     CHECKPOINTS_DIRNAME,
     CONFIG_FNAME,
+    EVALUATION_FNAME,
     MARKER_FNAME,
     MODEL_NAMES,
     TRAINING_STATE_FNAME,
@@ -25,6 +26,7 @@ from torchtune_ppo.checkpointing.store import (  # noqa: F401
     lock_output_dir,
     release_output_dir,
     set_aside,
+    write_evaluation,
 )
 from torchtune_ppo.checkpointing.resume_config import (  # noqa: F401
     ResumeConfigError,
@@ -41,9 +43,9 @@ from torchtune_ppo.checkpointing.training_state import (  # noqa: F401
 __all__ = [
     "CHECKPOINTS_DIRNAME", "MARKER_FNAME", "MODEL_NAMES", "TRAINING_STATE_FNAME",
     "CheckpointClient", "CheckpointExistsError", "CheckpointManager", "CheckpointWriteError",
-    "CONFIG_FNAME", "DamagedCheckpointError", "NonFiniteWeightsError", "ResumeConfigError",
+    "CONFIG_FNAME", "DamagedCheckpointError", "EVALUATION_FNAME", "NonFiniteWeightsError", "ResumeConfigError",
     "apply_optimizer_overrides", "capture_rng_state", "check_loaded_finite", "check_resume_config",
     "check_shapes", "check_writable", "config_to_save", "checkpoint_to_resume", "checkpointer_overrides",
     "edited_files", "existing_checkpoints", "latest_checkpoint", "load_adapters", "load_training_state",
-    "lock_output_dir", "release_output_dir", "restore_rng_state", "set_aside",
+    "lock_output_dir", "release_output_dir", "restore_rng_state", "set_aside", "write_evaluation",
 ]

@@ -5,8 +5,11 @@ data position counts batches of ``batch_size``, the epoch permutation comes from
 ``shuffle`` over ``dataset``, the LR scheduler counts optimizer steps of ``ppo_batch_size`` /
 ``ppo_epochs`` / ``gradient_accumulation_steps``, the optimizer state belongs to one optimizer
 class and to the models the builders make. Those keys (:data:`MUST_MATCH`) must be the same on
-resume, or the run stops before any weights load. Every other key takes the new value; a note
-lists the ones that changed. The optimizer's hyperparameters (``optimizer.lr``,
+resume, or the run stops before any weights load, except the data's paths (``dataset.data_files``,
+a local ``dataset.source``) when the files now named hold the bytes the checkpoint recorded (its
+data identity: each file's size and sha256): the data moved, which is said in a note. Every
+other key takes the new value; a note lists the ones that changed. The optimizer's
+hyperparameters (``optimizer.lr``,
 ``weight_decay``, ...) are applied to the restored optimizer's param groups after its state is
 loaded (:func:`apply_optimizer_overrides`), since loading the state would put the old ones back.
 
@@ -24,6 +27,7 @@ when the count differs (see :class:`~torchtune_ppo.checkpointing.CheckpointClien
 responses then differ from the uninterrupted run's (the draws are made per forward batch).
 """
 
+import glob
 import json
 import math
 import re
@@ -117,13 +121,18 @@ def check_resume_config(checkpoint: Union[str, Path], cfg: Union[DictConfig, Map
     # A key the saved config lacks did not exist yet when it was saved: the run had its default.
     saved = {**{k: v for k, v in defaults().items() if k not in saved and k in new}, **saved}
     must, may = config_differences(saved, new)
+    must, gone, gone_keys = moved_data_differences(checkpoint, must, new)
     pretrain_must, may, why = value_pretrain_differences(checkpoint, may)
     must += pretrain_must
     if must:
         lines = "\n".join(f"  {k}: saved {old!r}, now {new!r}" for k, old, new in must)
-        fix = " ".join(cli_override(k, old) for k, old, _ in must if old is not _MISSING)
-        fix = (f"Resume with the saved values, e.g. with these overrides on the command line:\n  {fix}\n"
-               if fix else "Resume with the saved values (remove the new keys), ")
+        why += gone
+        # a saved data path that no longer exists is no way on: it is explained instead
+        fix = " ".join(cli_override(k, old) for k, old, _ in must if old is not _MISSING and k not in gone_keys)
+        if fix:
+            fix = f"Resume with the saved values, e.g. with these overrides on the command line:\n  {fix}\n"
+        else:
+            fix = "Resume over the saved data, " if gone else "Resume with the saved values (remove the new keys), "
         raise ResumeConfigError(
             f"Cannot resume from {checkpoint}: these keys differ from the config it was saved "
             f"with ({Path(checkpoint) / CONFIG_FNAME}), and the saved training state (data "
@@ -135,6 +144,66 @@ def check_resume_config(checkpoint: Union[str, Path], cfg: Union[DictConfig, Map
         lines = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in may)
         log.info(f"Resuming with config changes from {checkpoint} (the new values apply): {lines}")
     return [k for k, _, _ in may]
+
+
+def moved_data_differences(checkpoint: Union[str, Path], must: List[Tuple[str, Any, Any]], new: Mapping
+                           ) -> Tuple[List[Tuple[str, Any, Any]], str, List[str]]:
+    """Takes the data's paths (``dataset.data_files``, a local ``dataset.source``) out of ``must``
+    when the files the new config names hold the data the checkpoint was trained on (the same
+    size and sha256 as its recorded data identity, :func:`~torchtune_ppo.data.identity.moved_files`),
+    with a note.
+
+    Returns:
+        Tuple[List[Tuple[str, Any, Any]], str, List[str]]: the differences that still must match;
+        when a saved path among them no longer exists and the checkpoint recorded its data, a
+        line that says so and what the data are, and those keys, whose saved value is no way on
+        (else empty).
+    """
+    from torchtune_ppo.data.identity import moved_files
+
+    # `source` is where the data are only when it is a local path (else the reader: json, csv, ...)
+    moved = [d for d in must if _matches(d[0], ("dataset.data_files",))
+             or (d[0] == "dataset.source" and isinstance(d[2], str) and Path(d[2]).exists())]
+    if not moved:
+        return must, "", []
+    identity = saved_data_identity(checkpoint)
+    block = new.get("dataset") if isinstance(new.get("dataset"), Mapping) else {}
+    pairs = moved_files(identity, block) if identity else None
+    if pairs is not None:
+        log.info(f"Resuming over the data {checkpoint} was trained on at a new path (the same size and sha256 "
+                 f"as it recorded): {'; '.join(f'{a} -> {b}' for a, b in pairs)}.")
+        return [d for d in must if d not in moved], "", []
+    recorded = (identity or {}).get("files") or []
+    gone = {k: [p for p in _strings(old) if not Path(p).exists() and not glob.glob(p, recursive=True)]
+            for k, old, _ in moved}
+    gone = {k: paths for k, paths in gone.items() if paths}
+    if not gone or not recorded:  # without a recorded identity, what the data were is unknown
+        return must, "", []
+    recorded = "; ".join(f"{Path(f['path']).name}: {f['size']} bytes, sha256 {f['sha256'][:12]}..." for f in recorded)
+    paths = ", ".join(repr(p) for ps in gone.values() for p in ps)
+    return must, (f"The saved data path {paths} no longer exists, and the path now given does not hold the "
+                  f"data the checkpoint was trained on ({recorded}); a path that holds them, moved or copied "
+                  "unchanged, is accepted by their sha256.\n"), list(gone)
+
+
+def saved_data_identity(checkpoint: Union[str, Path]) -> Optional[Dict[str, Any]]:
+    """The data identity the checkpoint recorded (:mod:`torchtune_ppo.data.identity`), read
+    without loading the rest of its training state; None when it recorded none."""
+    path = Path(checkpoint) / TRAINING_STATE_FNAME
+    if not path.is_file():
+        return None
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    identity = state.get("data_identity")
+    return dict(identity) if isinstance(identity, Mapping) else None
+
+
+def _strings(value: Any) -> List[str]:
+    """The strings in a config value (a path, a list or a mapping of them)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    return [s for v in value for s in _strings(v)] if isinstance(value, (list, tuple)) else []
 
 
 def saved_value_pretrain(checkpoint: Union[str, Path]) -> Dict[str, Any]:

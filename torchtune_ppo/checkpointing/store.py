@@ -18,6 +18,12 @@ an ignored temporary folder::
             config.yaml          the run's resolved config (checked on resume: resume_config.py)
             COMPLETE             JSON marker written last: step, every file with its size and
                                  sha256, time; a resume verifies the checksums
+            evaluation.json      the evaluations' record after this step's own evaluation, which
+                                 runs after the checkpoint is written (so that a failure or a kill
+                                 in it never costs the step): written later, atomically, outside
+                                 COMPLETE; it replaces the record in training_state.pt when read
+                                 (:func:`load_training_state`). Absent: that evaluation never
+                                 finished, and a resume runs it again
         .tmp_step_<N>_<pid>/     a save in progress, or left by a crash: never read, cleaned later
         step_<N>.damaged-<time>/ a step folder a resume found damaged or incomplete, set aside
                                  (renamed, never deleted) so that the run can save step N again
@@ -67,6 +73,7 @@ log = utils.get_logger("INFO")
 
 MARKER_FNAME = "COMPLETE"
 TRAINING_STATE_FNAME = "training_state.pt"
+EVALUATION_FNAME = "evaluation.json"
 MODEL_NAMES = ("policy", "value")
 LOCK_FNAME = ".run.lock"
 SOURCE_MANIFEST_FNAME = "manifest.json"  # tools/prepare_smollm2.py's list of its folder's checksums
@@ -725,7 +732,7 @@ def load_training_state(checkpoint: Union[str, Path], *, weights_only: bool = Tr
     checkpoint = _require_complete(checkpoint)
     path = checkpoint / TRAINING_STATE_FNAME
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - torch's own message would advise unsafe loading
         first = (str(e).splitlines() or [""])[0]
         what = "not plain data" if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e) else first
@@ -734,6 +741,55 @@ def load_training_state(checkpoint: Union[str, Path], *, weights_only: bool = Tr
             "other than tensors, containers and numbers, so it was not written by this recipe. "
             f"Move {checkpoint} aside to resume from the checkpoint before it."
         ) from None
+    evaluation = _evaluation_after(checkpoint)
+    if evaluation is not None:
+        state["evaluation"] = evaluation
+    return state
+
+
+def write_evaluation(checkpoint: Union[str, Path], evaluation: Mapping[str, Any]) -> Path:
+    """Records in a complete ``step_<N>`` folder the evaluations' record after step N's own
+    evaluation (``EvalRecord.state_dict()``, its history ending at step N), which ran after the
+    folder was written: ``evaluation.json``, written aside and renamed into place, so that it is
+    either whole or absent. :func:`load_training_state` reads it in place of the record the
+    training state holds.
+
+    Raises:
+        ValueError: ``checkpoint`` is not complete, or the history does not end at its step.
+    """
+    checkpoint = _require_complete(checkpoint)
+    step = int(_STEP_RE.match(checkpoint.name).group(1))
+    history = evaluation.get("history") or []
+    if not history or history[-1].get("step") != step:
+        raise ValueError(f"write_evaluation: the record of {checkpoint} must end with the evaluation of step "
+                         f"{step}, got {[h.get('step') for h in history]}.")
+    tmp = checkpoint / f"{_TMP_PREFIX}{EVALUATION_FNAME}_{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"step": step, "evaluation": dict(evaluation)}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, checkpoint / EVALUATION_FNAME)
+    _fsync_dir(checkpoint)
+    return checkpoint / EVALUATION_FNAME
+
+
+def _evaluation_after(checkpoint: Path) -> Optional[Dict[str, Any]]:
+    """The record of ``checkpoint``'s ``evaluation.json`` (None: absent); one that cannot be read
+    or is of another step is named in a warning and left out (the resumed run evaluates again)."""
+    path = checkpoint / EVALUATION_FNAME
+    if not path.is_file():
+        return None
+    step = int(_STEP_RE.match(checkpoint.name).group(1))
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        history = saved["evaluation"]["history"]
+        if saved["step"] != step or history[-1]["step"] != step:
+            raise ValueError(f"it is the evaluation of step {saved['step']}")
+        return saved["evaluation"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        log.warning(f"Ignoring {path} ({type(e).__name__}: {e}): the resumed run evaluates step {step} again.")
+        return None
 
 
 def checkpointer_overrides(checkpoint: Union[str, Path]) -> Dict[str, Dict[str, Any]]:

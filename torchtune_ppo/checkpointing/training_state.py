@@ -15,7 +15,7 @@ from torch import nn
 from torchtune import utils
 
 from torchtune_ppo import distributed, lora
-from torchtune_ppo.checkpointing.store import CheckpointManager, load_training_state
+from torchtune_ppo.checkpointing.store import CheckpointManager, load_training_state, write_evaluation
 
 log = utils.get_logger("INFO")
 
@@ -155,6 +155,13 @@ class CheckpointClient:
             self.manager.save(step, weights["policy"], weights.get("value"), state, self.run_config, **extra)
         distributed.barrier()
         return str(self.manager.root / f"step_{int(step)}")
+
+    def record_evaluation(self, step: int, evaluation: Mapping[str, Any]) -> None:
+        """Adds to the saved ``step_<step>`` the evaluations' record after that step's evaluation,
+        which ran after the save (:func:`~torchtune_ppo.checkpointing.store.write_evaluation`);
+        rank 0 writes it."""
+        if distributed.rank() == 0:
+            write_evaluation(self.manager.root / f"step_{int(step)}", evaluation)
 
     def load(self, checkpoint: str) -> Dict[str, Any]:
         """Restores the optimizer, scheduler and skipped steps from ``checkpoint``; returns the

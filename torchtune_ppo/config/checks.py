@@ -17,7 +17,6 @@ would be valid.
 """
 
 import dataclasses
-import importlib
 import inspect
 import math
 import os
@@ -28,7 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 
-from torchtune_ppo.config.components import check_component_arguments
+from torchtune_ppo.config.components import check_component_arguments, import_component
 from torchtune_ppo.config.precision import native_bf16  # noqa: F401  (defined here before precision.py)
 from torchtune_ppo.config.precision import resolve_auto_dtype
 from torchtune_ppo.rlhf.packing import common_prefix_len
@@ -135,15 +134,21 @@ def check_cli_overrides(args: Sequence[str]) -> None:
     ``compile=True compile.generate=False`` becomes ``{compile: {generate: False}}``: the
     bool is dropped. Merged over a YAML that has a full compile block, the regions not named
     keep the YAML's values, so "everything but generation" silently runs what the YAML says.
-    The same holds for any key given both a bare true/false/null and dotted sub-keys.
+    The same holds for any key given both a bare true/false/null and dotted sub-keys. A
+    ``+key=value`` (Hydra's syntax for adding a key) is refused too: OmegaConf would read a key
+    named ``+key``.
 
     Args:
         args (Sequence[str]): the command line after the program name (``sys.argv[1:]``);
             items that are not ``key=value`` are ignored.
 
     Raises:
-        ValueError: naming both overrides and what to write instead.
+        ValueError: naming both overrides and what to write instead; or the ``+key`` and the
+            ``key=value`` to write.
     """
+    for arg in args:
+        if arg.startswith("+") and "=" in arg:  # Hydra's syntax for adding a key
+            raise ValueError(plus_override(arg.split("=", 1)[0]))
     bare: Dict[str, str] = {}
     dotted: Dict[str, Dict[str, str]] = {}
     for arg in args:
@@ -173,6 +178,15 @@ def check_cli_overrides(args: Sequence[str]) -> None:
             f"{key}.* overrides and drops {key}={value}, so the keys not named keep the YAML's "
             f"values instead of following {key}={value}.{hint}"
         )
+
+
+def plus_override(key: str) -> str:
+    """What to say of a ``+key`` override, whose ``+`` OmegaConf keeps in the key's name."""
+    plain = key.lstrip("+")
+    head = plain.split(".")[0]
+    valid = (f"write {plain}=<value>: every key of the config is set that way, whether the YAML has it or not"
+             if head in VALID_KEYS else f"and {head!r} is not a config key either (valid keys: {sorted(VALID_KEYS)})")
+    return f"{key}: torchtune's command line takes key=value, with no '+' (Hydra's syntax for adding a key); {valid}."
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,6 +239,13 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
         raise ValueError(f"config is missing required key(s) {missing}.")
     cfg = _map_torchtune_keys(cfg)
     unknown = sorted(set(cfg.keys()) - set(VALID_KEYS))
+    plus = [k for k in unknown if isinstance(k, str) and k.startswith("+")]
+    if plus:  # `+eval.every_n_steps=2` arrives as {"+eval": {"every_n_steps": 2}}
+        key, node = plus[0], cfg[plus[0]]
+        while isinstance(node, DictConfig) and len(node) == 1:
+            sub = next(iter(node))
+            key, node = f"{key}.{sub}", node[sub]
+        raise ValueError(plus_override(key))
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown}; valid keys are {sorted(VALID_KEYS)}.")
     cfg = with_defaults(cfg)
@@ -236,7 +257,8 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     for key in SCHEMA:
         key.kind.check(key.name, cfg[key.name])
     _resolve_dtype(cfg, check_machine)  # before any check that reads cfg.dtype
-    check_component_arguments(cfg)  # a typo inside a block (optimizer.lrr), before anything is built
+    # a typo inside a block (optimizer.lrr), before anything is built; a package missing here, for a run here
+    check_component_arguments(cfg, installed_only=check_machine)
     # Read once here: a bare compile: true|false becomes the mapping of every region, so the
     # rest of the run reads cfg.compile.<region>.
     cfg.compile = dataclasses.asdict(parse_compile(cfg.compile))
@@ -327,6 +349,12 @@ def _check_algorithms(cfg: DictConfig) -> None:
         raise ValueError("env (multi-turn episodes) with compile.rollout=True: the fused region unrolls one "
                          "response per prompt. Set compile.rollout=False (compile.generate and compile.trajectory "
                          "compile the episodes' regions).")
+    cache, T = cfg.turns.cache_tokens, cfg.max_generated_tokens
+    if cache is not None and cache < T:  # the Generator's rule, here before any model loads
+        raise ValueError(
+            f"turns.cache_tokens must be null (2 * max_generated_tokens = {2 * T}) or an integer >= "
+            f"max_generated_tokens ({T}), got {cache}: the KV cache holds every token of an episode after "
+            "the prompt, and more columns leave room for the gaps of rows waiting for the others' turns.")
     loss_kl = cfg.loss.get("kl_coeff", 0) if isinstance(cfg.loss, Mapping) else 0
     if loss_kl and cfg.kl_coeff:
         _note(f"the KL to the reference policy is both in the reward (kl_coeff={cfg.kl_coeff}) and in the "
@@ -911,21 +939,6 @@ def _signature_defaults(path: Any, key: str) -> Optional[Dict[str, Any]]:
         for name, p in params.items()
         if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)
     }
-
-
-def import_component(path: Any, key: str) -> Any:
-    """The object a dotted path (a ``_component_``) names.
-
-    Raises:
-        ValueError: naming ``key`` when ``path`` is not a dotted path or does not import.
-    """
-    if not isinstance(path, str) or "." not in path:
-        raise ValueError(f"{key} must be a dotted import path, got {_show(path)}.")
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{key}: cannot import {path!r} ({type(e).__name__}: {e}).") from e
 
 
 def _checkpoint_files(cfg_ckpt: DictConfig, key: str) -> List[Path]:

@@ -11,9 +11,12 @@ Only extra keys are errors: an argument left out may have a default or be given 
 (:data:`PASSED_BY_THE_RECIPE`). A callable that takes ``**kwargs`` accepts any key, except a
 dataset builder's ``**load_dataset_kwargs``, which ``datasets.load_dataset`` reads: those keys
 must be its arguments or fields of the builder's config (``field`` of ``json``, ...). A
-``_component_`` whose package is not installed here is left to the place that builds it (the
-run may be planned for another machine); one that does not import from an installed package is
-refused with the names close to it.
+``_component_`` that does not import is refused, naming the key, the module or name missing and
+the names close to it; one whose package is not installed here only when the run is for this
+machine (a run may be planned for another).
+
+:func:`import_component` is the one resolver of dotted paths: the config checks, the
+checkpointers' classes and ``torchtune_ppo.rewards.from_path`` all read paths through it.
 """
 
 import dataclasses
@@ -22,11 +25,12 @@ import importlib
 import importlib.util
 import inspect
 import pkgutil
-from typing import Any, Iterator, List, Mapping, Optional, Set, Tuple
+import sys
+from typing import Any, Iterator, Mapping, Optional, Set, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-__all__ = ["PASSED_BY_THE_RECIPE", "check_component_arguments", "component_keys"]
+__all__ = ["PASSED_BY_THE_RECIPE", "check_component_arguments", "import_component"]
 
 # Arguments the recipe gives a block's callable itself: a config that sets them is refused.
 PASSED_BY_THE_RECIPE = {
@@ -38,20 +42,23 @@ _LOAD_DATASET_KWARGS = "load_dataset_kwargs"
 _CLOSE = 3  # names suggested
 
 
-def check_component_arguments(cfg: DictConfig) -> None:
+def check_component_arguments(cfg: DictConfig, *, installed_only: bool = False) -> None:
     """Refuse a key of a component block that its ``_component_`` does not take.
 
     Args:
         cfg (DictConfig): the recipe config (interpolations are not resolved).
+        installed_only (bool): also refuse a ``_component_`` whose package is not installed here
+            (a run on this machine would fail to build it, after its models have loaded); off, such
+            a block is left alone (a run planned for another machine).
 
     Raises:
         ValueError: naming the full key (e.g. ``optimizer.lrr``), the component, the closest
-            valid names and every valid name; or naming a ``_component_`` that does not import
-            from an installed package, with the names close to it.
+            valid names and every valid name; or naming a ``_component_`` that does not import,
+            with the names close to it (:func:`import_component`).
     """
     tree = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, (DictConfig, ListConfig)) else cfg
     for key, block in _component_blocks(tree):
-        _check_block(key, block)
+        _check_block(key, block, installed_only)
 
 
 def _component_blocks(node: Any, key: str = "") -> Iterator[Tuple[str, Mapping]]:
@@ -67,11 +74,11 @@ def _component_blocks(node: Any, key: str = "") -> Iterator[Tuple[str, Mapping]]
             yield from _component_blocks(v, f"{key}[{i}]")
 
 
-def _check_block(key: str, block: Mapping) -> None:
+def _check_block(key: str, block: Mapping, installed_only: bool) -> None:
     path = block["_component_"]
     if not isinstance(path, str) or "." not in path or "${" in path:
         return  # not a dotted path: the schema's check of the key says so
-    component = _import(key, path)
+    component = import_component(path, f"{key}._component_", absent_ok=not installed_only)
     if component is None:
         return
     try:
@@ -102,42 +109,70 @@ def _check_block(key: str, block: Mapping) -> None:
     )
 
 
-def _import(key: str, path: str) -> Any:
-    """The callable at ``path``; None when its package is not installed here."""
+def import_component(path: Any, key: str, *, absent_ok: bool = False) -> Any:
+    """The object a dotted import path names: the one resolver of ``_component_`` paths (and of
+    ``from_path``'s), so that every key that names code fails alike.
+
+    The deepest module of the path that imports, then the rest as attributes
+    (``module.Class.method``), as torchtune's ``instantiate`` reads it.
+
+    Args:
+        path (Any): e.g. ``"torch.optim.AdamW"``.
+        key (str): how messages name the setting, e.g. ``"optimizer._component_"``.
+        absent_ok (bool): return None when the path's top-level package is not installed here
+            (a config checked for another machine), instead of refusing it.
+
+    Returns:
+        Any: the object, or None (``absent_ok`` and no such package).
+
+    Raises:
+        ValueError: naming ``key``, when ``path`` is not a dotted path, its package is not
+            installed, a module fails to import (its error quoted), or a name is missing (with the
+            names close to it).
+    """
+    if not isinstance(path, str) or "." not in path:
+        from torchtune_ppo.config.schema import _show
+
+        raise ValueError(f"{key} must be a dotted import path (package.module.name), got {_show(path)}.")
     parts = path.split(".")
     try:
-        if importlib.util.find_spec(parts[0]) is None:
-            return None
+        installed = importlib.util.find_spec(parts[0]) is not None
     except (ImportError, ValueError):
-        return None
-    module_name, _, attr = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except ImportError as e:
-        if not (e.name and (module_name + ".").startswith(e.name + ".")):
-            raise ValueError(f"{key}._component_: importing {path!r} failed: {type(e).__name__}: {e}") from e
-    except AttributeError:
-        pass
-    # The deepest module of the path that imports, and the first name it lacks.
-    found, depth = None, 1
+        installed = False
+    if not installed:
+        if absent_ok:
+            return None
+        raise ValueError(f"{key}: cannot import {path!r}: no module named {parts[0]!r} is installed here."
+                         f"{_close_top_level(parts[0])}")
     for depth in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:depth])
         try:
-            found = importlib.import_module(".".join(parts[:depth]))
+            obj = importlib.import_module(module_name)
             break
-        except ImportError:
-            continue
-    where, missing = ".".join(parts[:depth]), parts[depth]
-    if found is not None and depth < len(parts) - 1 and hasattr(found, missing):
-        return None  # an attribute chain (Class.method): left to the place that builds it
-    raise ValueError(
-        f"{key}._component_: cannot import {path!r}: {where} has no {missing!r}."
-        f"{_close_attributes(found, where, missing)}"
-    )
+        except ModuleNotFoundError as e:
+            if e.name and (module_name + ".").startswith(e.name + "."):
+                continue  # `module_name` is not a module: a shorter prefix may be
+            raise ValueError(f"{key}: importing {path!r} failed: {type(e).__name__}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - the module exists but fails to import: its own error
+            raise ValueError(f"{key}: importing {path!r} failed: {type(e).__name__}: {e}") from e
+    for i in range(depth, len(parts)):
+        try:
+            obj = getattr(obj, parts[i])
+        except AttributeError:
+            where = ".".join(parts[:i])
+            raise ValueError(f"{key}: cannot import {path!r}: {where} has no {parts[i]!r}."
+                             f"{_close_attributes(obj, where, parts[i])}") from None
+    return obj
+
+
+def _close_top_level(name: str) -> str:
+    """Installed top-level modules whose names are close to ``name``, as a sentence."""
+    names = {m.name for m in pkgutil.iter_modules()} | set(sys.builtin_module_names)
+    close = difflib.get_close_matches(name, sorted(n for n in names if not n.startswith("_")), n=_CLOSE, cutoff=0.75)
+    return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 def _close_attributes(module: Any, where: str, name: str) -> str:
-    if module is None:
-        return ""
     names = [n for n in dir(module) if not n.startswith("_")]
     if hasattr(module, "__path__"):
         names += [m.name for m in pkgutil.iter_modules(module.__path__)]
@@ -192,10 +227,3 @@ def _listed(params: Mapping[str, inspect.Parameter], valid: Set[str], passed: Se
     if passed:
         text += f" ({', '.join(sorted(passed))}: given by the recipe)"
     return text + "."
-
-
-def component_keys(cfg: DictConfig) -> List[str]:
-    """The dotted keys of every component block in ``cfg`` (what :func:`check_component_arguments` reads)."""
-    tree = OmegaConf.to_container(cfg, resolve=False)
-    return [key for key, _ in _component_blocks(tree)]
-

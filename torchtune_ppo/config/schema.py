@@ -415,6 +415,13 @@ EVAL = Block(
         Key("early_stop_patience", Count(optional=True), None,
             "stop the run (after saving) once this many evaluations in a row have not improved on the best; "
             "null: never"),
+        Key("on_error", Choice(options=("stop", "skip")), "stop",
+            "what an evaluation that raises (its reward, its prompts' generation) does: `stop` ends the run "
+            "with the error, the steps completed before it saved, and a resume runs that evaluation again; "
+            "`skip` logs a warning with the cause and trains on without that evaluation (no `val/` row, no "
+            "best or early-stop count from it; one process only, under several a failure stops the run). "
+            "`stop` by default: an evaluation that fails once fails at every step, and a run that trains on "
+            "without one keeps no best checkpoint and never stops early, unseen"),
     ),
 )
 
@@ -434,7 +441,15 @@ TURNS = Block(
             "KV cache columns after the prompt; rows decode in lockstep, so a row that finished its turn "
             "leaves a gap while the others write theirs; null: 2 * `max_generated_tokens`"),
         Key("timeout_s", Number(gt=0, optional=True), 10.0,
-            "an environment step running longer ends the row's episode (counted, logged); null: no limit"),
+            "an environment step running longer ends the row's episode (counted, logged) and is stopped "
+            "(with `isolation: process`); null: no limit, the step is called directly in the run's thread"),
+        Key("isolation", Choice(options=("process", "thread")), "process",
+            "where an environment step with a `timeout_s` runs. `process`: in a worker process forked from the "
+            "run (the environment needs no pickling; ~55 us a call), killed and replaced when a step overruns, "
+            "so no step hangs the run or runs on after its timeout; `thread`: in a worker thread (~40 us a "
+            "call), abandoned when a step overruns: it cannot be stopped, runs on, and one that holds the "
+            "interpreter lock stalls the run. `thread` is for an environment that needs the GPU or state the "
+            "run changes. See [Multi-turn rollouts](multi_turn.md)"),
         Key("stop_strings", Strings(optional=True), None,
             "a turn also ends once its text holds one of these (e.g. a tool call's closing tag `</calc>`): "
             "its tokens after the one that completes it are dropped, as if never sampled; null: a turn ends at "

@@ -10,17 +10,19 @@ built-in data are asset files (``${ppo_asset:...}``), so they are local files he
 
 :func:`data_changes` lists what differs between the saved identity and the current one, and
 :func:`check_resumed_data` turns a difference into a refusal that names the file, or, with
-``resume_accept_data_change: true``, into a warning.
+``resume_accept_data_change: true``, into a warning. A file moved unchanged (the same size and
+sha256 at another path) is the same data: :func:`moved_files` finds the saved files at the
+paths a config now names, for the resume's check of the config.
 """
 
 import glob
 import hashlib
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from omegaconf import ListConfig
 
-__all__ = ["DataChangedError", "check_resumed_data", "data_changes", "data_identity", "local_data_files"]
+__all__ = ["DataChangedError", "check_resumed_data", "data_changes", "data_identity", "local_data_files", "moved_files"]
 
 _SHOWN = 12  # hex digits of a sha256 shown in a message
 
@@ -100,6 +102,10 @@ def data_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> List[s
     if single and set(old_files) != set(new_files):
         (old,), (new,) = old_files.values(), new_files.values()
         old_files, new_files = {new["path"]: old}, {new["path"]: new}
+    for path in [p for p in new_files if p not in old_files]:  # moved unchanged: the same file
+        twin = next((q for q in old_files if q not in new_files and _same_bytes(old_files[q], new_files[path])), None)
+        if twin is not None:
+            old_files[path] = old_files.pop(twin)
     changes = []
     for path in [*new_files, *(p for p in old_files if p not in new_files)]:
         old, new = old_files.get(path), new_files.get(path)
@@ -159,6 +165,42 @@ def check_resumed_data(saved: Optional[Mapping[str, Any]], current: Mapping[str,
         f"{said} Put the data back as they were, start a fresh run in another output_dir, or set "
         "resume_accept_data_change=True to continue over the changed data from there."
     )
+
+
+def moved_files(saved: Mapping[str, Any], cfg_dataset: Mapping[str, Any]) -> Optional[List[Tuple[str, str]]]:
+    """Whether the local files of ``cfg_dataset`` are the files a checkpoint's identity records,
+    at other paths: the saved data, moved or copied unchanged.
+
+    Args:
+        saved (Mapping[str, Any]): the checkpoint's :func:`data_identity`.
+        cfg_dataset (Mapping[str, Any]): the resuming run's ``dataset`` block (resolved paths).
+
+    Returns:
+        Optional[List[Tuple[str, str]]]: ``(saved path, path now)`` for each saved file, when every
+        file the block reads has the size and sha256 of one the saved run read, one for one; None
+        when the saved run read no local file or the files differ. Each file is hashed only when
+        the sizes already agree.
+    """
+    old = list(saved.get("files") or [])
+    now = local_data_files(cfg_dataset)
+    if not old or len(now) != len(old):
+        return None
+    sizes = sorted(f.get("size") for f in old)
+    if sorted(p.stat().st_size for p in now) != sizes:
+        return None
+    left = {str(p): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in now}
+    pairs = []
+    for entry in old:
+        match = next((p for p, f in left.items() if _same_bytes(entry, f)), None)
+        if match is None:
+            return None
+        pairs.append((entry["path"], match))
+        del left[match]
+    return pairs
+
+
+def _same_bytes(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a.get("sha256") is not None and a.get("size") == b.get("size") and a.get("sha256") == b.get("sha256")
 
 
 def _sha256(path: Path) -> str:

@@ -6,18 +6,29 @@ tool turn, or ``None`` when the episode is done, and optionally a reward added t
 episode's final score. Environments are stateless across rows: all a row's state is its
 :class:`Conversation`, so a resumed step re-runs its episodes exactly from the seed.
 
-:func:`safe_step` is how the rollout calls one: an environment that raises, hangs or answers
-something other than an ``EnvStep`` ends that episode with a cause to log, never the run.
+:func:`safe_step` is how the rollout calls one: an environment that raises (``SystemExit``
+included), hangs, crashes or answers something other than an ``EnvStep`` ends that episode with
+a cause to log, never the run. With a timeout the call runs in a worker process forked from the
+run (:mod:`torchtune_ppo.envs.worker`), killed and replaced when the call overruns, or, by
+choice, in a worker thread, which is abandoned instead (a thread cannot be stopped).
 """
 
+import atexit
+import functools
 import math
 import numbers
+import os
 import queue
 import threading
 from concurrent.futures import Future, wait
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, runtime_checkable
 
-__all__ = ["Conversation", "EnvStep", "Environment", "EnvFailure", "safe_step", "check_environment"]
+from torchtune_ppo.envs.worker import ForkedWorker, WorkerDied, WorkerOverran, can_fork
+
+__all__ = ["Conversation", "EnvStep", "Environment", "EnvFailure", "ISOLATIONS", "safe_step", "check_environment"]
+
+# Where a step with a timeout runs: `process` (killed when it overruns) or `thread` (abandoned).
+ISOLATIONS = ("process", "thread")
 
 
 class Conversation(NamedTuple):
@@ -143,48 +154,149 @@ def _invalid(step: Any, name: str) -> Optional[str]:
     return None
 
 
+def _raised(name: str, error: BaseException) -> str:
+    text = str(error)
+    return f"{name} raised {type(error).__name__}" + (f": {text}" if text else "")
+
+
+def _checked(env: Environment, conversation: Conversation, turn: str,
+             interrupt: bool = False) -> Tuple[EnvStep, Optional[str]]:
+    """``env.step`` called here, its answer checked: :func:`safe_step`'s result.
+
+    Whatever the step raises is its failure, ``BaseException`` included: an environment that
+    calls ``sys.exit`` (or raises ``SystemExit``, ``GeneratorExit``, asyncio's
+    ``CancelledError``) ends its episode like any other error, it does not end the run. Only
+    ``KeyboardInterrupt`` passes when ``interrupt``: called in the run's own thread, it is the
+    user's second Ctrl-C, which stops the run at once (the first only asks to stop after the step).
+    """
+    name = type(env).__name__
+    try:
+        step = env.step(conversation, turn)
+    except KeyboardInterrupt as e:
+        if interrupt:
+            raise
+        return EnvStep(None), _raised(name, e)
+    except BaseException as e:  # the environment's, whatever it is (see above)
+        return EnvStep(None), _raised(name, e)
+    problem = _invalid(step, name)
+    if problem is not None:
+        return EnvStep(None), problem
+    return (step if step.reward is None else step._replace(reward=float(step.reward))), None
+
+
+class _Workers:
+    """The worker process of the environment in use, forked at its first call with a timeout.
+
+    One at a time: the rollout and the evaluation share one environment. A call for another
+    environment closes the worker and forks one for it; a worker killed after an overrun, or
+    ended by its step, is replaced at the next call. Workers are killed at exit, and a process
+    forked from this one (a data loader's worker) forgets them: they are not its to stop.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._env: Any = None
+        self._worker: Optional[ForkedWorker] = None
+
+    def get(self, env: Environment) -> ForkedWorker:
+        """The live worker of ``env``, forked if needed. Raises ``OSError`` if the fork fails."""
+        with self._lock:
+            if self._worker is not None and (self._env is not env or not self._worker.alive):
+                self._worker.close()
+                self._env = self._worker = None
+            if self._worker is None:
+                # The child holds its own copy of `env`, as it is now.
+                self._worker = ForkedWorker(functools.partial(_checked, env))
+                self._env = env
+            return self._worker
+
+    def close(self) -> None:
+        with self._lock:
+            if self._worker is not None:
+                self._worker.close()
+            self._env = self._worker = None
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()  # a fork may have copied it held
+        if self._worker is not None:
+            self._worker.forget()
+        self._env = self._worker = None
+
+
+_WORKERS = _Workers()
+atexit.register(_WORKERS.close)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WORKERS._forget)
+
+
+def _in_process(env: Environment, conversation: Conversation, turn: str,
+                timeout_s: float) -> Tuple[EnvStep, Optional[str]]:
+    name = type(env).__name__
+    try:
+        worker = _WORKERS.get(env)
+    except OSError as e:
+        return EnvStep(None), f"{name}.step could not start its worker process: {e}"
+    try:
+        kind, value = worker.call((conversation, turn), timeout_s)
+    except WorkerOverran:
+        return EnvStep(None), f"{name}.step did not return within {float(timeout_s)} s (its worker process was killed)"
+    except WorkerDied as e:
+        return EnvStep(None), f"{name}.step ended its worker process ({e})"
+    if kind != "ok":
+        return EnvStep(None), f"{name}.step failed in its worker process: {value}"
+    return value
+
+
+def _in_thread(env: Environment, conversation: Conversation, turn: str,
+               timeout_s: float) -> Tuple[EnvStep, Optional[str]]:
+    future = _POOL.submit(_checked, env, conversation, turn)
+    # wait() rather than result(timeout): an env.step that itself raises TimeoutError is an
+    # exception of the environment, not a timeout.
+    done, _ = wait([future], timeout=timeout_s)
+    if not done:
+        return EnvStep(None), (f"{type(env).__name__}.step did not return within {float(timeout_s)} s "
+                               "(abandoned: it may still be running in its thread)")
+    return future.result()
+
+
 def safe_step(env: Environment, conversation: Conversation, turn: str, *,
-              timeout_s: Optional[float]) -> Tuple[EnvStep, Optional[str]]:
+              timeout_s: Optional[float], isolation: str = "process") -> Tuple[EnvStep, Optional[str]]:
     """``env.step(conversation, turn)``, with any failure turned into the end of the episode.
 
     Args:
         env (Environment): the environment.
         conversation (Conversation): the row's episode so far.
         turn (str): the assistant turn just written.
-        timeout_s (Optional[float]): how long the call may run, in a worker thread; a call
-            still running then is abandoned. None: called directly, no thread.
+        timeout_s (Optional[float]): how long the call may run; None: called directly in this
+            thread, for as long as it takes.
+        isolation (str): where a call with a timeout runs. ``"process"``: in a worker process
+            forked from this one (see :class:`_Workers`), killed when the call overruns; the
+            step sees the environment as it was at the fork, and what it changes in it stays
+            there. ``"thread"``: in a worker thread, abandoned when the call overruns (it runs on,
+            and a step that holds the interpreter lock stalls this process). Default: process
 
     Returns:
         Tuple[EnvStep, Optional[str]]: ``(step, None)`` when ``env`` answered a valid
-        ``EnvStep`` (its reward as a float); ``(EnvStep(None), cause)`` when it raised, ran
-        past ``timeout_s`` or answered something else, ``cause`` naming the class and what
-        happened (e.g. ``"Calculator raised ZeroDivisionError: division by zero"``).
+        ``EnvStep`` (its reward as a float); ``(EnvStep(None), cause)`` when it raised (any
+        ``BaseException``: ``SystemExit`` too), ran past ``timeout_s``, ended its worker process
+        or answered something else, ``cause`` naming the class and what happened (e.g.
+        ``"Calculator raised ZeroDivisionError: division by zero"``). Called directly, a
+        ``KeyboardInterrupt`` is raised on: it is the user's.
 
     Raises:
-        ValueError: ``timeout_s`` is not None and not a positive number.
+        ValueError: ``timeout_s`` is not None and not a positive number, or ``isolation`` is not
+            one of :data:`ISOLATIONS`; ``isolation="process"`` where the platform cannot fork.
     """
-    name = type(env).__name__
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"turns.isolation={isolation!r}: must be one of {', '.join(ISOLATIONS)}.")
     if timeout_s is None:
-        try:
-            step = env.step(conversation, turn)
-        except Exception as e:
-            return EnvStep(None), f"{name} raised {type(e).__name__}: {e}"
-    else:
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds or None.")
-        future = _POOL.submit(env.step, conversation, turn)
-        # wait() rather than result(timeout): an env.step that itself raises TimeoutError is an
-        # exception of the environment, not a timeout.
-        done, _ = wait([future], timeout=timeout_s)
-        if not done:
-            return EnvStep(None), f"{name}.step did not return within {float(timeout_s)} s"
-        error = future.exception()
-        if error is not None:
-            if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: not ours to swallow
-                raise error
-            return EnvStep(None), f"{name} raised {type(error).__name__}: {error}"
-        step = future.result()
-    problem = _invalid(step, name)
-    if problem is not None:
-        return EnvStep(None), problem
-    return (step if step.reward is None else step._replace(reward=float(step.reward))), None
+        return _checked(env, conversation, turn, interrupt=True)
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds or None.")
+    if isolation == "thread":
+        return _in_thread(env, conversation, turn, timeout_s)
+    if not can_fork():
+        raise ValueError("turns.isolation='process' needs os.fork, which this platform lacks; set "
+                         "turns.isolation=thread (an overrunning step is then abandoned, not stopped) or "
+                         "turns.timeout_s=null.")
+    return _in_process(env, conversation, turn, timeout_s)

@@ -9,6 +9,10 @@ without. Each process evaluates its own block of the prompts; the sums are added
 before the means are taken. The scores are the reward's (the training reward or
 ``eval.reward``) with the training's penalties; a response is correct when its score reaches
 ``eval.correct_threshold``.
+
+An evaluation that raises ends the run (``eval.on_error: stop``, the recipe saves the steps
+completed before it) or, with ``skip`` on one process, is logged as a warning and left out: no
+``val/`` row, nothing recorded, training goes on.
 """
 
 import contextlib
@@ -31,7 +35,10 @@ from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rollout.generation import GenerationSteps, Generator
 from torchtune_ppo.rollout.turns import EpisodeStats, TurnRunner, episode_texts
 
-__all__ = ["EvalScorer", "Evaluator", "build_evaluator", "eval_mode", "eval_seed", "reward_parts"]
+__all__ = ["ON_ERROR", "EvalScorer", "Evaluator", "build_evaluator", "eval_mode", "eval_seed", "reward_parts"]
+
+# What an evaluation that raises does (``eval.on_error``): end the run, or be left out.
+ON_ERROR = ("stop", "skip")
 
 
 def eval_seed(seed: int, step: int, rank: int, name: Optional[str] = None) -> int:
@@ -131,6 +138,10 @@ class Evaluator:
         log: where each evaluation's line goes (on rank 0).
         turns (Optional[TurnRunner]): multi-turn episodes with the training's environment, on
             ``generator``; None: one response per prompt.
+        on_error (str): ``"stop"``: an evaluation that raises raises out of :meth:`when_due`;
+            ``"skip"``: it is logged as a warning (to ``log``) and left out, on one process
+            (under several it raises all the same: the others may be waiting in a collective
+            the failed process left).
     """
 
     def __init__(self, generator: Optional[Generator],
@@ -138,8 +149,11 @@ class Evaluator:
                  record: EvalRecord, *, num_samples: int = 1, correct_threshold: float = 1.0, seed: int = 0,
                  models: Sequence[nn.Module] = (), warm_up: Callable[[], ContextManager] = contextlib.nullcontext,
                  log_dict: Optional[Callable] = None, keep_step: Optional[Callable[[int], None]] = None,
-                 log=None, turns: Optional[TurnRunner] = None) -> None:
-        self.turns = turns
+                 log=None, turns: Optional[TurnRunner] = None, on_error: str = "stop") -> None:
+        if on_error not in ON_ERROR:
+            raise ValueError(f"eval.on_error must be one of {list(ON_ERROR)}, got {on_error!r}.")
+        self.turns, self.on_error = turns, on_error
+        self.failed = 0  # evaluations left out under on_error="skip"
         if isinstance(prompts, EvalPrompts):
             prompts = [prompts]
         names = [p.name for p in prompts or ()]
@@ -153,14 +167,29 @@ class Evaluator:
         if keep_step is not None and record.best_step:  # resumed: the best's checkpoint stays
             keep_step(record.best_step)
 
+    def due(self, progress) -> bool:
+        """An evaluation is due after ``progress.global_step`` steps (and not yet recorded)."""
+        return self.record.due(progress.global_step, last_step=progress.all_steps_run)
+
     def when_due(self, progress) -> bool:
         """Evaluates after ``progress.global_step`` steps when due; True when that is a new best
-        of a trained policy (step > 0), whose checkpoint the run then saves."""
+        of a trained policy (step > 0), whose checkpoint the run then saves.
+
+        Raises:
+            Exception: what the evaluation raised, unless ``on_error`` is ``"skip"`` on one
+                process (then logged, and False returned).
+        """
         step = progress.global_step
-        if not self.record.due(step, last_step=progress.all_steps_run):
+        if not self.due(progress):
             return False
         start = time.perf_counter()
-        metrics = self.evaluate(step)
+        try:
+            metrics = self.evaluate(step)
+        except Exception as e:  # noqa: BLE001 - skipped only where the config asks, else raised as it was
+            if self.on_error != "skip" or distributed.world_size() > 1:
+                raise
+            self._skip(step, e)
+            return False
         improved = self.record.add(step, metrics)
         metrics["time/eval"] = time.perf_counter() - start
         if self._log_dict is not None:
@@ -173,6 +202,18 @@ class Evaluator:
         if improved and step > 0 and self._keep_step is not None:
             self._keep_step(step)
         return improved and step > 0
+
+    def _skip(self, step: int, error: Exception) -> None:
+        self.failed += 1
+        if self._log is None:
+            return
+        when = "before step 1" if step == 0 else f"after step {step}"
+        # The traceback with the first failure only: later ones are most likely the same cause.
+        self._log.warning(
+            f"The evaluation {when} failed ({type(error).__name__}: {error}). eval.on_error=skip: training "
+            f"goes on without it (no val/ metrics at step {step}; it counts neither for the best checkpoint "
+            f"nor towards eval.early_stop_patience). Evaluations failed so far: {self.failed}.",
+            exc_info=(type(error), error, error.__traceback__) if self.failed == 1 else None)
 
     @torch.no_grad()
     def evaluate(self, step: int) -> Dict[str, float]:
@@ -291,7 +332,12 @@ def build_evaluator(block: DictConfig, checked: Any, rollout: Rollout, steps: Ge
         turns = TurnRunner(generator, turns.env, turns.renderer, turns.tokenizer, turns.settings)
     settings = rollout.settings._replace(prompt_len=width, temperature=float(block.temperature))
     scorer = EvalScorer(reward, settings, rollout.stop_token_ids, parts)
+    log = utils.get_logger("INFO")
+    if block.on_error == "skip" and distributed.world_size() > 1 and distributed.rank() == 0:
+        log.warning(f"eval.on_error=skip applies to one process: with {distributed.world_size()} processes an "
+                    "evaluation that fails stops the run (the other processes may be waiting in a collective "
+                    "the failed one left); the checkpoint due at its step is written before it.")
     return Evaluator(generator, prompt_sets, scorer, record, num_samples=block.num_samples,
                      correct_threshold=float(block.correct_threshold), seed=seed, models=models,
-                     warm_up=warm_up, log_dict=log_dict, keep_step=keep_step, log=utils.get_logger("INFO"),
-                     turns=turns)
+                     warm_up=warm_up, log_dict=log_dict, keep_step=keep_step, log=log,
+                     turns=turns, on_error=block.on_error)

@@ -24,7 +24,6 @@ token tensors into texts, calls the function and checks what it returns.
 """
 
 import functools
-import importlib
 import inspect
 import math
 import numbers
@@ -335,27 +334,13 @@ def from_path(path: str, **kwargs: Any) -> RewardFunction:
         RewardFunction: the function, or a partial of it.
 
     Raises:
-        ValueError: nothing importable at ``path``.
+        ValueError: nothing importable at ``path`` (the module or name missing, and the names
+            close to it).
         TypeError: the function cannot be called as a reward function.
     """
-    parts = path.split(".")
-    obj = None
-    for i in range(len(parts) - 1, 0, -1):
-        module = ".".join(parts[:i])
-        try:
-            obj = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and (module + ".").startswith(e.name + "."):
-                continue  # `module` is not a module: try a shorter prefix
-            raise  # the module exists but fails to import: show its own error
-        try:
-            for attr in parts[i:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            obj = None
-        break
-    if obj is None:
-        raise ValueError(f"from_path: cannot import {path!r}; give 'package.module.function'.")
+    from torchtune_ppo.config.components import import_component
+
+    obj = import_component(path, "from_path's path")
     fn = functools.partial(obj, **kwargs) if kwargs else obj
     check_reward_fn(fn)
     return fn

@@ -23,8 +23,10 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     if estimator == "k2":
         return 0.5 * (logprobs - ref_logprobs).pow(2)
     if estimator == "k3":
+        # expm1, not exp(x) - 1: near the reference exp(x) - 1 cancels in float32 and bf16 and
+        # can go negative where the value is ~x**2 / 2.
         log_ratio = ref_logprobs - logprobs
-        return torch.exp(log_ratio) - log_ratio - 1.0
+        return torch.expm1(log_ratio) - log_ratio
     raise ValueError(f"kl_estimator must be one of {list(KL_ESTIMATORS)}, got {estimator!r}")
 
 
@@ -47,7 +49,7 @@ def kl_loss_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimat
         if base != "k3":
             return kl_estimate(lp, ref_logprobs, base)
         log_ratio = (ref_logprobs - lp).clamp(-20.0, 20.0)
-        return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(max=10.0)
+        return (torch.expm1(log_ratio) - log_ratio).clamp(max=10.0)
 
     if estimator == base:
         return value(logprobs)

@@ -30,7 +30,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torchtune_ppo._patches.dynamo import skip_guard_checks
-from torchtune_ppo.envs import Conversation, EnvStep, ObservationRenderer, safe_step
+from torchtune_ppo.envs import ISOLATIONS, Conversation, EnvStep, ObservationRenderer, safe_step
 from torchtune_ppo.rollout.generation import Generator, extend
 
 __all__ = ["EpisodeOutput", "EpisodeStats", "TurnSettings", "TurnRunner", "cache_tokens", "episode_texts"]
@@ -62,7 +62,11 @@ class TurnSettings(NamedTuple):
             is not written and the episode counts as truncated.
         max_observation_tokens (int): an observation's rendered tokens at most (longer ones are
             cut, counted); the extend chunk is one wider.
-        timeout_s (Optional[float]): an environment step running longer ends the row's episode.
+        timeout_s (Optional[float]): an environment step running longer ends the row's episode;
+            None: the step is called directly, for as long as it takes.
+        isolation (str): where a step with a timeout runs: ``"process"``, a worker process
+            killed (and replaced) when a step overruns, or ``"thread"``, a worker thread that is
+            abandoned instead (see :func:`~torchtune_ppo.envs.safe_step`).
         max_env_failures (Optional[int]): a PPO step whose episodes (over every process) have
             more failed environment steps (raised, timed out, bad return) stops the run
             (:meth:`TurnRunner.check_failures`); None: never, each only ends its episode.
@@ -74,6 +78,7 @@ class TurnSettings(NamedTuple):
     max_turns: int = 4
     max_observation_tokens: int = 32
     timeout_s: Optional[float] = 10.0
+    isolation: str = "process"
     max_env_failures: Optional[int] = None
     stop_strings: Tuple[str, ...] = ()
 
@@ -156,6 +161,9 @@ class TurnRunner:
         if not isinstance(settings.max_observation_tokens, int) or settings.max_observation_tokens < 1:
             raise ValueError(f"turns.max_observation_tokens={settings.max_observation_tokens!r} is invalid; "
                              "expected an int >= 1.")
+        if settings.isolation not in ISOLATIONS:
+            raise ValueError(f"turns.isolation={settings.isolation!r} is invalid; expected one of "
+                             f"{', '.join(ISOLATIONS)}.")
         self._extend = generator._steps.extend
         self.failures, self.last_failure = 0, None  # environment steps that failed in this process
         g = generator
@@ -196,6 +204,7 @@ class TurnRunner:
         renderer = ObservationRenderer(tokenizer, template=t.observation_template)
         settings = TurnSettings(max_turns=t.max_turns, max_observation_tokens=t.max_observation_tokens,
                                 timeout_s=None if t.timeout_s is None else float(t.timeout_s),
+                                isolation=t.get("isolation") or "process",
                                 max_env_failures=t.max_env_failures,
                                 stop_strings=tuple(t.get("stop_strings") or ()))
         return cls(generator, env, renderer, tokenizer, settings, seed=int(cfg.seed))
@@ -277,7 +286,7 @@ class TurnRunner:
                         convs[r] = convs[r]._replace(turns=convs[r].turns + (("assistant", text),))
                         alive[r], stats.truncated[r] = False, True  # out of tokens or cache mid-turn
                         continue
-                    step, cause = safe_step(self.env, convs[r], text, timeout_s=s.timeout_s)
+                    step, cause = safe_step(self.env, convs[r], text, timeout_s=s.timeout_s, isolation=s.isolation)
                     convs[r] = convs[r]._replace(turns=convs[r].turns + (("assistant", text),))
                     if cause is not None:
                         self._fail(r, cause, stats)
@@ -397,8 +406,14 @@ class TurnRunner:
     def _render(self, observation: str) -> Tuple[str, List[int], int]:
         """The observation's tokens, the text cut (from its end) until they fit; 1 if cut."""
         limit = self.settings.max_observation_tokens
+        # 256 characters is a generous bound on the text one token covers, so no more of the text
+        # than limit times that can be kept: cut there first, so that a huge observation (megabytes
+        # of a tool's output) is never tokenized whole. A text within the bound is read as before;
+        # a token longer than the bound would only make a huge observation cut shorter.
+        bound = limit * 256
+        cut = int(len(observation) > bound)
+        observation = observation[:bound]
         ids = self.renderer.tokens(observation)
-        cut = 0
         while len(ids) > limit and observation:
             cut = 1
             observation = observation[: len(observation) * 3 // 4]

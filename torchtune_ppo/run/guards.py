@@ -48,6 +48,10 @@ class StepInProgress:
     stepped some minibatches and the weights are no longer the last completed step's, so
     nothing is saved (the last checkpoint stays the one to resume from).
 
+    An evaluation between steps is no step: a failure there leaves every step run complete, so
+    the checkpoint is of the last one, with the random states captured when the evaluation
+    began (it draws from a stream of its own, but a reward function may draw from the global ones).
+
     Args:
         capture_rng (Callable[[], Any]): returns the run's random states now.
     """
@@ -56,12 +60,17 @@ class StepInProgress:
         self._capture_rng = capture_rng
         self.rng: Any = None
         self.updating = False
+        self.evaluating = False  # between steps: the evaluation after the last one
 
     def begin(self) -> None:
-        self.rng, self.updating = self._capture_rng(), False
+        self.rng, self.updating, self.evaluating = self._capture_rng(), False, False
 
     def update_begins(self) -> None:
         self.updating = True
+
+    def evaluation_begins(self) -> None:
+        """The evaluation after the steps run begins; they are all complete."""
+        self.rng, self.updating, self.evaluating = self._capture_rng(), False, True
 
 
 def on_step_failure(error: BaseException, step: StepInProgress, *, steps_run: int, saved_step: Optional[int],
@@ -72,13 +81,22 @@ def on_step_failure(error: BaseException, step: StepInProgress, *, steps_run: in
 
     ``save(rng)`` writes the checkpoint of ``steps_run`` and returns its path. A failed save
     (``CheckpointWriteError``) is not retried; under several processes nothing is saved either
-    (the other ranks may never reach the collective gather of the weights).
+    (the other ranks may never reach the collective gather of the weights). A failure in the
+    evaluation after ``steps_run`` steps is named as the evaluation's, and the command to continue
+    says that the resumed run evaluates that step again first.
     """
     from torchtune_ppo.checkpointing import CheckpointWriteError
 
     failed = f"step {steps_run + 1} failed ({type(error).__name__}: {error})"
+    after = ""
+    if step.evaluating:
+        when = "before step 1" if steps_run == 0 else f"after step {steps_run}"
+        failed = f"evaluation {when} failed ({type(error).__name__}: {error})"
+        after = " With eval.on_error=skip an evaluation that fails is logged and training goes on."
+        if steps_run:
+            after = f" A resumed run evaluates step {steps_run} again first.{after}"
     if isinstance(error, CheckpointWriteError):
-        failed, where = f"checkpoint of step {steps_run} not saved: {error}", "the run stops here"
+        failed, where, after = f"checkpoint of step {steps_run} not saved: {error}", "the run stops here", ""
     elif saved_step == steps_run:
         where = f"the state after step {steps_run} is already saved"
     elif world_size > 1:
@@ -96,4 +114,4 @@ def on_step_failure(error: BaseException, step: StepInProgress, *, steps_run: in
         except Exception as e:  # noqa: BLE001 - report it, then the original error goes on
             where = f"saving the state after step {steps_run} failed too: {e}"
     if rank_zero:
-        log.error(f"PPO {failed}; {where}. To continue: {resume}")
+        log.error(f"PPO {failed}; {where}.{after} To continue: {resume}")

@@ -78,6 +78,24 @@ class Progress:
         left = self.value_pretrain.max_steps - self.value_pretrain.steps_run
         return f"Value pretraining: up to {left} steps on the starting policy's rollouts before PPO's first step."
 
+    def nothing_to_train(self) -> Optional[str]:
+        """Why a run resumed from this state has no step left, and what to change to train on;
+        None when it has steps left."""
+        if not self.done:
+            return None
+        record, step = self.evaluation, self.global_step
+        ran = f"{self.steps_run} of its num_ppo_steps={self.num_ppo_steps} PPO steps"
+        longer = f"a num_ppo_steps above {self.steps_run}"
+        if record.stopped:
+            best = "none finite" if record.best_value is None else f"{record.best_value:.4g} at step {record.best_step}"
+            more = f", and {longer}" if self.all_steps_run else ""
+            evaluations = f"{record.since_best} evaluation{'s' if record.since_best != 1 else ''}"
+            return (f"Nothing to train: this run stopped early after step {step} ({ran}): {evaluations} "
+                    f"in a row without a better {record.best_metric} than the best, {best} "
+                    f"(eval.early_stop_patience={record.early_stop_patience}). To train on from step {step}, resume "
+                    f"with an eval.early_stop_patience above {record.since_best}, or null{more}.")
+        return f"Nothing to train: this run has run all {ran} (step {step}). To train on, resume with {longer}."
+
     def count_step(self, metrics: Dict[str, float], pretraining: bool) -> Optional[str]:
         """Counts the step just run, and its batch. A PPO step counts in ``steps_run``; a value
         pretraining step apart, its value loss going to the stopping rule and its metrics into

@@ -116,7 +116,7 @@ def progress(metrics: Dict[str, float]) -> Dict[str, str]:
 
 
 def run_summary(rows: Sequence[Dict[str, float]], checkpoints: Union[str, Path, Sequence[Path]],
-                evaluation: Optional[Any] = None) -> str:
+                evaluation: Optional[Any] = None, nothing_to_train: Optional[str] = None) -> str:
     """Steps run, the mean score of the first and last fifth of the steps, where checkpoints are,
     and the held-out evaluations with the best checkpoint.
 
@@ -125,6 +125,8 @@ def run_summary(rows: Sequence[Dict[str, float]], checkpoints: Union[str, Path, 
         checkpoints (Union[str, Path, Sequence[Path]]): the checkpoint folders, or the run's
             ``output_dir`` to list them from.
         evaluation (Optional[Any]): the run's :class:`~torchtune_ppo.eval.record.EvalRecord`.
+        nothing_to_train (Optional[str]): why a resumed run had no step left to run
+            (:meth:`~torchtune_ppo.run.progress.Progress.nothing_to_train`), said when no step ran.
     """
     if isinstance(checkpoints, (str, Path)):
         checkpoints = existing_checkpoints(checkpoints)
@@ -137,7 +139,7 @@ def run_summary(rows: Sequence[Dict[str, float]], checkpoints: Union[str, Path, 
         held_out += " (the starting weights)"
     held_out = f" Held-out: {held_out}." if held_out else ""
     if not rows:
-        return f"No step was logged.{held_out}"
+        return f"{nothing_to_train or 'No step was logged.'}{held_out}"
     fifth = max(1, len(rows) // 5)
     first = sum(r["scores"] for r in rows[:fifth]) / fifth
     last = sum(r["scores"] for r in rows[-fifth:]) / fifth

@@ -1,0 +1,97 @@
+"""Options whose only effect is through recipes/ppo_full_finetune.py, checked at a value other than
+the default on the tiny task in this process (eager, a few seconds each): a sampling temperature
+reaching the loss step's logprobs, ``penalise_no_eos`` reaching the scores, the adaptive KL
+coefficient carried across a resume, and the token means of the ``rollout_corr/*`` metrics."""
+
+import pytest
+import torch
+
+from test_recipe_wiring import _first_batch, _record_rollouts
+
+
+def test_a_sampling_temperature_reaches_the_loss_steps_logprobs(make_recipe):
+    """At 0.7 the rollout's logprobs are of the tempered distribution; the loss step must read the
+    same, so at a step's first minibatch (here its only one, every micro-step before the optimizer
+    steps) the policy ratio is 1 and the rollout and the trainer agree token for token."""
+    recipe, cfg = make_recipe(temperature=0.7, ppo_epochs=1, ppo_batch_size=8, gradient_accumulation_steps=2)
+    seen = _record_rollouts(recipe)
+    metrics = recipe.train_step(*_first_batch(recipe), 0)
+    assert metrics["ratios"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["rollout_corr/abs_diff_max"] < 1e-4
+    # not vacuous: untempered logprobs of the same tokens are far from the sampled ones
+    (traj,) = seen
+    valid = ~traj.response_padding_masks
+    with torch.no_grad():
+        logits = recipe._models.policy(traj.query_responses, mask=traj.masks, input_pos=traj.position_ids)
+    p = cfg.max_prompt_len
+    plain = torch.log_softmax(logits[:, p - 1:-1].float(), -1).gather(2, traj.query_responses[:, p:, None])[..., 0]
+    assert (plain - traj.logprobs)[valid].abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("penalise", [True, False])
+def test_penalise_no_eos_reaches_the_scores(make_recipe, penalise):
+    """Responses cut at 4 tokens: those without a stop token score ``reward_penalty`` exactly when
+    ``penalise_no_eos`` is on; the others keep the reward model's score."""
+    recipe, cfg = make_recipe(penalise_no_eos=penalise, reward_penalty=-7.0, max_generated_tokens=4,
+                              ppo_epochs=1)
+    seen = _record_rollouts(recipe)
+    recipe.train_step(*_first_batch(recipe), 0)
+    (traj,) = seen
+    responses = traj.query_responses[:, cfg.max_prompt_len:]
+    no_stop = ~torch.isin(responses, torch.tensor(list(cfg.stop_token_ids))).any(-1)
+    assert no_stop.any()
+    assert (traj.scores == -7.0).tolist() == (no_stop & penalise).tolist()
+
+
+def test_the_adaptive_kl_coefficient_is_carried_across_a_resume(make_recipe, tmp_path):
+    """A step adapts the coefficient towards ``kl_target``; the checkpoint carries it, and the
+    resumed run's next step uses the adapted one, not the config's ``kl_coeff``."""
+    settings = dict(kl_coeff=0.1, kl_target=1e-4, kl_horizon=40, ppo_epochs=1, output_dir=tmp_path / "run")
+    first, _ = make_recipe(num_ppo_steps=1, **settings)
+    first.train()  # saves at the end
+    adapted = first._kl.value
+    assert adapted != 0.1
+    first.cleanup()  # lets go of the output folder's lock
+    resumed, _ = make_recipe(num_ppo_steps=2, resume_from_checkpoint=True, **settings)
+    assert resumed._kl.value == adapted
+    metrics = resumed.train_step(*_first_batch(resumed), 0)
+    assert metrics["kl_coeff"] == adapted
+
+
+def _shifted(field, T):
+    """Moves ``field`` (the rollout's logprobs as the update reads them) by ``delta``, which grows
+    along each row: 0.01, 0.02, ... on valid tokens; returns the change and the deltas seen."""
+    deltas = []
+
+    def change(t):
+        valid = ~t.response_padding_masks
+        delta = 0.01 * torch.arange(1, T + 1, dtype=torch.float32)[None] * valid
+        deltas.append((delta, valid))
+        moved = getattr(t, field) + delta
+        if field == "logprobs":  # no recomputation: the generator's logprobs are both
+            return t._replace(logprobs=moved, rollout_logprobs=moved)
+        return t._replace(rollout_logprobs=moved)
+
+    return change, deltas
+
+
+@pytest.mark.parametrize("correction", [None, "tis"])
+def test_rollout_corr_means_are_over_tokens(make_recipe, correction):
+    """``rollout_corr/*`` are means over the valid tokens (not over sequences), of the rollout's
+    logprobs against the trainer's: measured at the first minibatch (all 8 rows here) or, with
+    ``rollout_correction``, over the recomputed batch. The rollout's logprobs are moved by a known
+    ``delta`` per token, so ``d = trainer - rollout`` is ``-delta`` up to fp32 rounding."""
+    extra = {} if correction is None else {"rollout_correction.mode": correction, "rollout_correction.threshold": 100.0}
+    recipe, cfg = make_recipe(ppo_epochs=1, ppo_batch_size=8, **extra)
+    change, deltas = _shifted("logprobs" if correction is None else "rollout_logprobs", cfg.max_generated_tokens)
+    _record_rollouts(recipe, change)
+    metrics = recipe.train_step(*_first_batch(recipe), 0)
+    ((delta, valid),) = deltas
+    d = -delta.double()[valid]
+    tokens, rows = int(valid.sum()), valid.shape[0]
+    assert tokens > rows  # more tokens than sequences: the two means differ
+    assert metrics["rollout_corr/log_ratio_mean"] == pytest.approx(float(d.sum()) / tokens, abs=1e-4)
+    assert metrics["rollout_corr/abs_diff_mean"] == pytest.approx(float(d.abs().sum()) / tokens, abs=1e-4)
+    assert metrics["rollout_corr/abs_diff_max"] == pytest.approx(float(d.abs().max()), abs=1e-4)
+    assert metrics["rollout_corr/kl_k3"] == pytest.approx(float((torch.expm1(d) - d).sum()) / tokens, rel=1e-2)
+    assert metrics["rollout_corr/log_ratio_mean"] != pytest.approx(float(d.sum()) / rows, abs=1e-3)
