@@ -179,17 +179,17 @@ def test_a_fresh_machine_compiles_nothing_with_the_runs_compile_cache(tmp_path, 
     assert cache.read_bytes() == before and not (tmp_path / "fresh" / "compile_cache.bin").exists()
 
 
-LAYERS = ["compile.generate=True", "compile.trajectory=True", "compile.loss_step=True", "compile.rollout=False",
-          "compile.layers=True"]
+UNROLLED = ["compile.generate=True", "compile.trajectory=True", "compile.loss_step=True", "compile.rollout=False",
+            "compile.layers=False"]
 
 
-def test_compiled_layers_match_eager_without_recompiles(tmp_path, eager_and_compiled_runs):
-    """compile.layers (one layer compiled per use, the regions compiled around the layer stack)
-    with inductor: 4 steps equal the eager run's as closely as the unrolled regions' do, and
-    nothing compiles after step 1."""
+def test_unrolled_regions_match_eager_without_recompiles(tmp_path, eager_and_compiled_runs):
+    """compile=True compiles one layer per use (compile.layers, the fixture's compiled run); with
+    compile.layers=False every region holds all its layers in its own graph (inductor): 4 steps
+    equal the eager run's as closely, and nothing compiles after step 1."""
     eager, _ = eager_and_compiled_runs
-    proc, rows = run_recipe(tmp_path / "layers", "num_ppo_steps=4", *LAYERS)
-    assert "layers=True" in proc.stderr
+    proc, rows = run_recipe(tmp_path / "unrolled", "num_ppo_steps=4", *UNROLLED)
+    assert "layers=False" in proc.stderr
     assert [row["recompiles"] for row in rows[1:]] == [0, 0, 0]
     assert_compiled_matches_eager(rows, eager, steps=4)
 

@@ -453,9 +453,15 @@ def test_the_smollm2_config_runs_two_steps_through_tune_run(eager_run):
     assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
 
 
+# Every region compiled with all its layers in its own graph (compile=True compiles one layer per
+# use instead: test_the_smollm2_config_with_compiled_layers_equals_eager below).
+UNROLLED = ["compile.generate=True", "compile.trajectory=True", "compile.loss_step=True", "compile.rollout=False",
+            "compile.layers=False"]
+
+
 def test_the_smollm2_config_compiled_does_not_recompile(folder, eager_run, tmp_path):
-    """``compile=True`` on the real model: every region is traced once, nothing recompiles
-    after step 1, and the logged metrics are the eager run's.
+    """Every region compiled, layers unrolled, on the real model: every region is traced once,
+    nothing recompiles after step 1, and the logged metrics are the eager run's.
 
     Inductor takes ~400 s a region for 30 unrolled layers on 2 cores, so the regions are
     compiled with the ``eager`` backend (TORCHTUNE_PPO_COMPILE_BACKEND, tests only): dynamo
@@ -465,7 +471,7 @@ def test_the_smollm2_config_compiled_does_not_recompile(folder, eager_run, tmp_p
     rounding (1e-6 relative), far below what a wrong mask or position changes (> 1e-2).
     Inductor's numbers against eager are compared on the tiny models (tests/e2e).
     """
-    rows, stderr = _tune_run(folder, tmp_path / "run", "compile=True",
+    rows, stderr = _tune_run(folder, tmp_path / "run", *UNROLLED,
                              env={"TORCHTUNE_PPO_COMPILE_BACKEND": "eager", "TORCH_LOGS": "dynamo"})
     _, eager = eager_run
     assert len(rows) == 2 and rows[1]["recompiles"] == 0, rows
@@ -482,14 +488,14 @@ def test_the_smollm2_config_compiled_does_not_recompile(folder, eager_run, tmp_p
 
 
 def test_the_smollm2_config_runs_in_bf16_compiled_without_recompiles(folder, tmp_path):
-    """``dtype=bf16 compile=True`` through ``tune run`` on the real model: 2 steps with fp32
+    """``dtype=bf16`` with every region compiled (layers unrolled) through ``tune run`` on the real model: 2 steps with fp32
     master weights (their one-pass optimizer step traced too), nothing recompiled after step 1,
     and at step 1, where the policy is its reference, a KL within bf16's rounding (the
     rollout/trainer mismatch is logged: ~4e-2 here, docs/precision.md). Dynamo's eager backend,
     as above."""
     # smaller still: a CPU without native bf16 emulates its products (~10x fp32's time)
     smaller = ["batch_size=2", "forward_batch_size=2", "ppo_batch_size=2", "max_generated_tokens=4"]
-    rows, stderr = _tune_run(folder, tmp_path / "run", "compile=True", "dtype=bf16", *smaller,
+    rows, stderr = _tune_run(folder, tmp_path / "run", *UNROLLED, "dtype=bf16", *smaller,
                              env={"TORCHTUNE_PPO_COMPILE_BACKEND": "eager", "TORCH_LOGS": "dynamo"})
     assert len(rows) == 2 and rows[1]["recompiles"] == 0, rows
     traced = re.findall(r"torchdynamo done tracing (\w+)", stderr)

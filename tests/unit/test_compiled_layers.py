@@ -19,8 +19,9 @@ from conftest import VOCAB, tiny_classifier, tiny_policy
 REGIONS = {"generate": True, "trajectory": True, "loss_step": True, "rollout": False}
 
 
-def test_layers_is_off_unless_asked():
-    assert parse_compile(True).layers is False and parse_compile(False).layers is False
+def test_the_bare_bool_sets_layers_and_a_mapping_names_it():
+    # compile=True is the fast path: every region, one layer compiled per use
+    assert parse_compile(True).layers is True and parse_compile(False).layers is False
     assert parse_compile(REGIONS).layers is False
     assert parse_compile({**REGIONS, "layers": True}) == CompileConfig(True, True, True, optimizer=True, layers=True)
 
@@ -53,7 +54,8 @@ def test_regions_hand_out_layer_steps_only_on_one_process():
     cfg = parse_compile({**REGIONS, "layers": True})
     assert isinstance(compiling.regions(cfg).layers, LayerSteps)
     assert compiling.regions(cfg, world_size=2).layers is None
-    assert compiling.regions(parse_compile(True)).layers is None
+    assert isinstance(compiling.regions(parse_compile(True)).layers, LayerSteps)
+    assert compiling.regions(parse_compile(REGIONS)).layers is None
 
 
 class Recorder:

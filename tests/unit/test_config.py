@@ -83,7 +83,7 @@ def test_missing_required_key():
 
 
 def test_compile_bare_bool_and_mapping():
-    assert parse_compile(True) == CompileConfig(True, True, True, optimizer=True)
+    assert parse_compile(True) == CompileConfig(True, True, True, optimizer=True, layers=True)
     assert parse_compile(False) == CompileConfig(False, False, False)
     full = dict(generate=False, trajectory=False, loss_step=True, rollout=False)
     # the optimizer step, when not named, follows the loss step

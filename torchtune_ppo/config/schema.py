@@ -661,7 +661,7 @@ SCHEMA: Tuple[Key, ...] = (
         "`true`/`false`, or `{generate, trajectory, loss_step, rollout, optimizer, layers, mode}`; see "
         "[Compiling](compiling.md). `optimizer` (default: as `loss_step`) makes each bf16 master "
         "weight's Adam/AdamW step one compiled pass (fp32 runs already step in one fused kernel). "
-        "`layers` (default: false) compiles one transformer layer per use (decode, prefill, "
+        "`layers` (on with a bare `compile: true`; off in a mapping that leaves it out) compiles one transformer layer per use (decode, prefill, "
         "scoring, training) and runs every layer of every model through it, the regions compiled "
         "around the layer stack: a first step in a fraction of the time, one process only "
         "([Compiling](compiling.md#one-layer-compiled-for-every-layer-compilelayers)). "
@@ -818,8 +818,10 @@ def parse_compile(value: Any) -> CompileConfig:
     """Read the ``compile`` setting.
 
     ``compile: true|false`` sets every region (``rollout`` stays off: it replaces
-    ``generate`` + ``trajectory``; ``layers`` stays off). A mapping must name every region; only
-    ``mode``, ``layers`` and ``optimizer`` (which follows ``loss_step`` when left out) are optional.
+    ``generate`` + ``trajectory``) and ``layers`` with them: ``compile=True`` is the fast path,
+    one layer compiled per use (turned off with a note on several processes). A mapping must
+    name every region; only ``mode``, ``layers`` (off when left out) and ``optimizer`` (which
+    follows ``loss_step`` when left out) are optional.
     A partial mapping is refused because it is what OmegaConf makes of
     ``compile=True compile.generate=False`` on the command line: the bool is dropped, so the
     regions left out could mean either on or off.
@@ -834,7 +836,7 @@ def parse_compile(value: Any) -> CompileConfig:
         ValueError: on an unknown key, a missing region, a non-bool region or a bad mode.
     """
     if isinstance(value, bool):
-        return CompileConfig(value, value, value, optimizer=value)
+        return CompileConfig(value, value, value, optimizer=value, layers=value)
     if not isinstance(value, (dict, DictConfig)):
         raise ValueError(f"compile must be {KEYS['compile'].kind.valid}, got {_show(value)}.")
     block = OmegaConf.to_container(value) if isinstance(value, DictConfig) else dict(value)
