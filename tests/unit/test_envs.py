@@ -24,7 +24,6 @@ import torchtune_ppo
 from torchtune_ppo.envs import (
     Calculator,
     Conversation,
-    EnvFailure,
     Environment,
     EnvStep,
     GuessNumber,
@@ -344,7 +343,6 @@ def test_a_valid_answer_is_passed_on_with_its_reward_as_a_float():
     assert safe_step(Answers(EnvStep()), CONV, "t", timeout_s=1.0) == (EnvStep(None, None), None)
     with pytest.raises(ValueError, match="timeout_s=0"):
         safe_step(Calculator(), CONV, "t", timeout_s=0)
-    assert EnvFailure("x").cause == "x"
 
 
 def test_check_environment_names_what_is_not_an_environment():

@@ -11,7 +11,6 @@ Nothing here imports the rollout, the PPO update or the recipe.
 from torchtune_ppo.envs.base import (
     ISOLATIONS,
     Conversation,
-    EnvFailure,
     Environment,
     EnvStep,
     check_environment,
@@ -25,7 +24,6 @@ __all__ = [
     "Conversation",
     "EnvStep",
     "Environment",
-    "EnvFailure",
     "ISOLATIONS",
     "safe_step",
     "check_environment",

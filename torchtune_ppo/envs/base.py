@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, runtime
 
 from torchtune_ppo.envs.worker import ForkedWorker, WorkerDied, WorkerOverran, can_fork
 
-__all__ = ["Conversation", "EnvStep", "Environment", "EnvFailure", "ISOLATIONS", "safe_step", "check_environment"]
+__all__ = ["Conversation", "EnvStep", "Environment", "ISOLATIONS", "safe_step", "check_environment"]
 
 # Where a step with a timeout runs: `process` (killed when it overruns) or `thread` (abandoned).
 ISOLATIONS = ("process", "thread")
@@ -68,16 +68,6 @@ class Environment(Protocol):
     """
 
     def step(self, conversation: Conversation, turn: str) -> EnvStep: ...
-
-
-class EnvFailure(NamedTuple):
-    """Why an episode was ended by its environment rather than by the policy.
-
-    Attributes:
-        cause (str): one line naming the environment class and what went wrong.
-    """
-
-    cause: str
 
 
 def check_environment(env: Any) -> None:
