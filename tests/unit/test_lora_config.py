@@ -41,10 +41,21 @@ def test_a_full_policy_needs_its_reference_checkpointer():
      r"ref_policy_checkpointer loads '.*tiny_sentiment/assets/reward', not the policy's start"),
     (["compile.rollout=True"], r"compile.rollout=True with a LoRA policy_model"),
     (["optimizer_in_bwd=True", "clip_grad_norm=null"], r"optimizer_in_bwd=True with a LoRA policy_model"),
+    (["rollout_correction.mode=tis"], r"rollout_correction.mode=tis with a LoRA policy_model: the old logprobs"),
+    (["rollout_correction.mode=mis"], r"rollout_correction.mode=mis with a LoRA policy_model"),
 ])
 def test_what_a_lora_policy_cannot_have(overrides, pattern):
     with pytest.raises(ValueError, match=pattern):
         validate_config(_cfg(LORA, *overrides))
+
+
+@pytest.mark.parametrize("mode", ["tis", "mis"])
+def test_rollout_correction_is_refused_with_the_fused_rollout_region(mode):
+    """compile.rollout takes the generator's logprobs as the old ones: nothing to correct."""
+    regions = "compile={generate: False, trajectory: False, loss_step: False, rollout: True}"
+    with pytest.raises(ValueError, match=rf"rollout_correction.mode={mode} with compile.rollout=True: the fused region"):
+        validate_config(_cfg(FULL, regions, f"rollout_correction.mode={mode}"))
+    validate_config(_cfg(FULL, regions))  # the region alone is valid
 
 
 def test_a_lora_value_model_is_valid_and_planned_with_adapter_gradients():
