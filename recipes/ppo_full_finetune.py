@@ -28,7 +28,6 @@ from tqdm import tqdm
 
 from torchtune_ppo import checkpointing, compile as compiling, distributed
 from torchtune_ppo.config import CompileConfig, check_cli_overrides, cpu_threads, prompt_sharing, validate_config
-from torchtune_ppo.config.preflight import preflight
 from torchtune_ppo.data import prompt_loader
 from torchtune_ppo.eval import build_evaluator
 from torchtune_ppo.models.build import build_models
@@ -45,6 +44,7 @@ from torchtune_ppo.run.guards import SkippedSteps, StepInProgress, on_step_failu
 from torchtune_ppo.run.interrupt import resume_command, stop_on_signals
 from torchtune_ppo.run.metrics import PhaseTimer, metric_logger, step_metrics
 from torchtune_ppo.run.optim import InBackwardOptimizer, MasterWeights, build_optimizer
+from torchtune_ppo.run.preflight import preflight
 from torchtune_ppo.run.progress import Progress
 from torchtune_ppo.run.watch import SampleLog, progress, run_summary
 

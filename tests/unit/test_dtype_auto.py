@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 import torchtune_ppo  # noqa: F401  (registers the config resolvers)
 from torchtune_ppo.checkpointing import check_resume_config, config_to_save
 from torchtune_ppo.checkpointing.resume_config import ResumeConfigError
-from torchtune_ppo.config import checks, precision, preflight, validate_config
+from torchtune_ppo.config import checks, precision, validate_config
 from torchtune_ppo.config.precision import choose_dtype, cpu_bf16_flags, native_bf16
-from torchtune_ppo.run import memory
+from torchtune_ppo.run import memory, preflight
 
 CONFIG = Path(__file__).parents[2] / "recipes/configs/tiny/ppo_tiny_arithmetic.yaml"
 # Lines of a real /proc/cpuinfo (an Intel Xeon), with and without the bf16 flags.

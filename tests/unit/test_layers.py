@@ -4,6 +4,9 @@
   ``__init__`` that importing another package's submodule runs first;
 - ``rollout/`` and ``ppo/`` never import each other: what both use is in the bottom layer,
   ``rlhf/``, which imports nothing of ``config``, ``compile``, ``distributed`` or any stage;
+- ``config/`` is a floor the stages and services stand on: it imports only ``rlhf/``, ``lora``
+  and ``_patches/``, never what imports it (the preflight, which checks the data, the output
+  folder and the memory plan, sits above it in ``run/``);
 - only the top imports ``compile`` (the recipe, ``run/``, benchmarks): the regions' callables
   are handed down, nothing below decides how it is compiled;
 - no ``TYPE_CHECKING`` block (a guard that hides an import cycle);
@@ -116,6 +119,13 @@ def test_the_bottom_layer_imports_only_itself_and_patches():
     allowed = ("rlhf", "_patches")
     bad = {m: sorted(x for x in EDGES[m] if not any(_in(x, f) for f in allowed))
            for m in EDGES if _in(m, "rlhf")}
+    assert not {m: x for m, x in bad.items() if x}
+
+
+def test_config_imports_only_the_layers_below_it():
+    allowed = ("config", "rlhf", "lora", "_patches")
+    bad = {m: sorted(x for x in EDGES[m] if not any(_in(x, f) for f in allowed))
+           for m in EDGES if _in(m, "config")}
     assert not {m: x for m, x in bad.items() if x}
 
 

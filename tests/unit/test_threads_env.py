@@ -32,7 +32,7 @@ def test_the_preflight_checks_it_on_every_device(monkeypatch, tmp_path):
     from omegaconf import OmegaConf
 
     from torchtune_ppo.config import validate_config
-    from torchtune_ppo.config.preflight import preflight
+    from torchtune_ppo.run.preflight import preflight
 
     from conftest import TINY_CONFIG
 

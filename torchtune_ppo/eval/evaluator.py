@@ -283,7 +283,7 @@ def build_evaluator(block: DictConfig, checked: Any, rollout: Rollout, steps: Ge
 
     Args:
         block (DictConfig): the config's ``eval`` block.
-        checked (Any): the preflight's result (:class:`~torchtune_ppo.config.preflight.Preflight`):
+        checked (Any): the preflight's result (:class:`~torchtune_ppo.run.preflight.Preflight`):
             its ``eval_prompts`` (None when evaluation is off) and ``tokenizer``.
         rollout (Rollout): the training rollout: its policy, reward, stop tokens and penalties.
         steps (GenerationSteps): the run's prefill and decode step (compiled or eager).

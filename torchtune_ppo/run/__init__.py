@@ -1,1 +1,2 @@
-"""Services around a run: optimizer, memory plan, metrics and watching, guards and signals."""
+"""Services around a run: the preflight (every check against the world before any weights
+load), optimizer, memory plan, metrics and watching, guards and signals."""
