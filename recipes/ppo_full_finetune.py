@@ -40,7 +40,7 @@ from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rlhf import ScoringSettings, repeat_prompts
 from torchtune_ppo.rlhf.correction import mismatch_metrics
 from torchtune_ppo.rollout import Generator, Rollout, TurnRunner, cache_tokens
-from torchtune_ppo.run.guards import SkippedSteps, StepInProgress, on_step_failure
+from torchtune_ppo.run.guards import SkippedSteps, StepInProgress, evaluate_when_due, on_step_failure
 from torchtune_ppo.run.interrupt import resume_command, stop_on_signals
 from torchtune_ppo.run.metrics import PhaseTimer, metric_logger, step_metrics
 from torchtune_ppo.run.optim import InBackwardOptimizer, MasterWeights, build_optimizer
@@ -244,8 +244,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         """Runs PPO steps until ``num_ppo_steps``; ``on_step(step, metrics)`` is called after each.
 
         SIGINT, SIGTERM or SIGHUP finishes the current step, saves a checkpoint and exits. An exception
-        saves the state after the last completed step when it can (see ``StepInProgress``); one in
-        an evaluation finds every step run complete.
+        saves the state after the last completed step when it can (see ``StepInProgress``).
         """
         progress_ = self._progress
         pbar = tqdm(total=progress_.num_ppo_steps, initial=progress_.steps_run, desc="PPO", dynamic_ncols=True,
@@ -264,8 +263,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                 self.save_checkpoint(progress_.global_step)
         except Exception as e:
             on_step_failure(e, self._step, steps_run=progress_.global_step, saved_step=progress_.last_saved_step,
-                            save=self._save_after_failure, world_size=self._world_size,
-                            resume=resume, log=log, rank_zero=self._is_rank_zero)
+                            save=lambda rng: self.save_checkpoint(progress_.global_step, rng),
+                            world_size=self._world_size, resume=resume, log=log, rank_zero=self._is_rank_zero)
             if isinstance(e, checkpointing.CheckpointWriteError):
                 raise SystemExit(1) from e  # said above: where, why, and how to continue
             raise
@@ -309,23 +308,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                 return
         progress_.end_epoch()
 
-    def _evaluate(self) -> None:
-        """The evaluation due after the steps run, if any. A new best after step 0 gets its
-        checkpoint; when the step's checkpoint was written before the evaluation, the evaluation
-        is recorded in it, so that a resume from it neither repeats nor loses that evaluation (one
-        that never finished runs again). A failure in it is the evaluation's (``eval.on_error``)."""
-        progress_ = self._progress
-        if not self._evaluator.due(progress_):
-            return
-        step = progress_.global_step
-        self._step.evaluation_begins()  # every step run is complete: a failure now saves the last one
-        best = self._evaluator.when_due(progress_)
-        record = progress_.evaluation
-        if progress_.last_saved_step != step:
-            if best:
-                self.save_checkpoint(step)
-        elif record.history and record.history[-1]["step"] == step:
-            self._checkpoints.record_evaluation(step, record.state_dict())
+    def _evaluate(self) -> None:  # the evaluation due, if any; a new best is saved
+        evaluate_when_due(self._evaluator, self._progress, self._step, self._checkpoints, self.save_checkpoint)
 
     def _log(self, metrics: Dict[str, float], pbar: tqdm, ppo_step: bool = True) -> None:
         if self._progress.global_step % self._log_every_n_steps == 0:
@@ -335,17 +319,11 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             pbar.update(1)
         pbar.set_postfix(progress(metrics))
 
-    def save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int, rng=None) -> str:
         """Write ``<output_dir>/checkpoints/step_<step>``: policy and value (if any) in HF format
-        and the training state (optimizer, counters, data position, random states), atomically."""
-        self._checkpoints.save(step, self._progress.state_dict(), final=self._progress.done)
-        self._progress.saved(step)
-
-    def _save_after_failure(self, rng) -> str:
-        """The state after the last completed step, with the random states from before the
-        failed step drew from them."""
-        step = self._progress.global_step
-        path = self._checkpoints.save(step, self._progress.state_dict(), rng=rng)
+        and the training state (optimizer, counters, data position, random states: ``rng``, after
+        a failure those from before the failed step drew from them), atomically."""
+        path = self._checkpoints.save(step, self._progress.state_dict(), rng, final=rng is None and self._progress.done)
         self._progress.saved(step)
         return path
 

@@ -73,6 +73,27 @@ class StepInProgress:
         self.rng, self.updating, self.evaluating = self._capture_rng(), False, True
 
 
+def evaluate_when_due(evaluator: Any, progress: Any, step: StepInProgress, checkpoints: Any,
+                      save: Callable[[int], Any]) -> None:
+    """The evaluation due after the steps run, if any (``evaluator.when_due``). A new best after
+    step 0 gets its checkpoint (``save(step)``); when the step's checkpoint was written before
+    the evaluation, the evaluation is recorded in it (``checkpoints.record_evaluation``), so that
+    a resume from it neither repeats nor loses that evaluation (one that never finished runs
+    again). ``step`` learns that the evaluation began: a failure in it is the evaluation's, and
+    every step run is complete (``eval.on_error``)."""
+    if not evaluator.due(progress):
+        return
+    done = progress.global_step
+    step.evaluation_begins()
+    best = evaluator.when_due(progress)
+    record = progress.evaluation
+    if progress.last_saved_step != done:
+        if best:
+            save(done)
+    elif record.history and record.history[-1]["step"] == done:
+        checkpoints.record_evaluation(done, record.state_dict())
+
+
 def on_step_failure(error: BaseException, step: StepInProgress, *, steps_run: int, saved_step: Optional[int],
                     save: Callable[[Any], Optional[str]], world_size: int, resume: str,
                     log: logging.Logger, rank_zero: bool) -> None:
