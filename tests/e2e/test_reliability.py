@@ -856,7 +856,7 @@ def test_resume_command_names_output_dir_once():
 def test_characters_the_tokenizer_does_not_know_are_warned_once(tmp_path, caplog):
     from torchtune.models.llama2 import llama2_tokenizer
 
-    from torchtune_ppo.config.checks import warn_unknown_tokens
+    from torchtune_ppo.config.generation import warn_unknown_tokens
 
     tokenizer = llama2_tokenizer(torchtune_ppo.asset_path("tiny_sentiment/tokenizer.model"))
     texts = ["the movie was", "a film about 漢字", "great ☃ and ☃"]

@@ -362,9 +362,9 @@ def test_torchtunes_own_ppo_config_runs(tmp_path_factory, tmp_path, caplog):
     # The same config run for two steps of 4 prompts (num_steps still counts prompts).
     small = ["batch_size=4", "forward_batch_size=2", "ppo_batch_size=2", "num_steps=8",
              "dtype=fp32", "compile=False", "max_generated_tokens=8", "min_response_length=4"]
-    from torchtune_ppo.config import checks as ppo_config
+    from torchtune_ppo.config import notes
 
-    ppo_config._NOTED.clear()  # notes are said once per process; earlier tests may have said them
+    notes.NOTED.clear()  # notes are said once per process; earlier tests may have said them
     with caplog.at_level(logging.INFO):
         cfg = validate_config(OmegaConf.merge(OmegaConf.load(theirs), OmegaConf.from_dotlist(changed + small)))
         recipe = ppo_full_finetune.PPOFullFinetuneRecipe(cfg=cfg)

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 import torchtune_ppo  # noqa: F401  (registers the ppo_asset resolver)
 from torchtune_ppo.config import validate_config
 from torchtune_ppo.ppo import advantages as adv_module
-from torchtune_ppo.config.checks import check_world_size
+from torchtune_ppo.config.batches import check_world_size
 from torchtune_ppo.ppo.advantages import AdvantageSettings, estimate_advantages, group_metrics
 from torchtune_ppo.rlhf import discounted_returns, group_baseline, repeat_prompts
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from torchtune_ppo import compile as compiling
 from torchtune_ppo._patches.torchtune_modules import LAYER_STEPS_ATTR, LayerSteps, final_hidden_states
-from torchtune_ppo.config.checks import check_world_size
+from torchtune_ppo.config.batches import check_world_size
 from torchtune_ppo.config.schema import CompileConfig, parse_compile
 
 from conftest import VOCAB, tiny_classifier, tiny_policy

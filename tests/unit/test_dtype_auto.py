@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 import torchtune_ppo  # noqa: F401  (registers the config resolvers)
 from torchtune_ppo.checkpointing import check_resume_config, config_to_save
 from torchtune_ppo.checkpointing.resume_config import ResumeConfigError
-from torchtune_ppo.config import checks, precision, validate_config
+from torchtune_ppo.config import notes, precision, validate_config
 from torchtune_ppo.config.precision import choose_dtype, cpu_bf16_flags, native_bf16
 from torchtune_ppo.run import memory, preflight
 
@@ -28,7 +28,7 @@ def _cpuinfo(path: Path, *extra: str) -> str:
 def machine(tmp_path, monkeypatch):
     """Sets the flags this machine's CPU lists (the file ``precision`` reads), and forgets the
     notes already logged so that each test sees its own."""
-    monkeypatch.setattr(checks, "_NOTED", set())
+    monkeypatch.setattr(notes, "NOTED", set())
 
     def set_flags(*flags: str, readable: bool = True) -> None:
         path = tmp_path / "cpuinfo"
@@ -217,7 +217,7 @@ def test_the_memory_planner_never_sees_auto(machine, caplog, device, dtype):
 
 def test_preflight_warns_with_the_same_reader(machine):
     machine()
-    assert preflight.native_bf16 is precision.native_bf16 and checks.native_bf16 is precision.native_bf16
+    assert preflight.native_bf16 is precision.native_bf16
     assert preflight.native_bf16() is False  # reads precision.CPUINFO, as auto does
     machine("avx512_bf16")
     assert preflight.native_bf16() is True

@@ -15,7 +15,7 @@ import torch
 from conftest import EOS_ID, PAD_ID, VOCAB, recipe_config, tiny_classifier, tiny_policy
 from torchtune_ppo import rlhf
 from torchtune_ppo.compile import BACKEND_ENV, RecompileCounter, maybe_compile
-from torchtune_ppo.config import checks, prompt_sharing
+from torchtune_ppo.config import batches, prompt_sharing
 from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.ppo.update import LossSettings, PPOUpdate
 from torchtune_ppo.rlhf import ScoringSettings, packing
@@ -312,7 +312,7 @@ class _Prompts:
 
 def test_the_switch_follows_the_datasets_prefix_and_refuses_what_cannot_share(tmp_path, monkeypatch):
     notes = []
-    monkeypatch.setattr(checks, "_note", notes.append)
+    monkeypatch.setattr(batches, "note", notes.append)
     cfg = recipe_config(tmp_path, max_prompt_len=32)
     system = list(range(3, 13))  # 10 tokens every prompt begins with: >= max(8, 32 / 4)
     shared = _Prompts([system + [20 + i, 7] for i in range(300)])

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from conftest import EOS_ID, PAD_ID, VOCAB, left_padded_prompts, recipe_config, tiny_classifier, tiny_policy
 from torchtune_ppo import lora, rlhf
 from torchtune_ppo.compile import BACKEND_ENV, RecompileCounter, maybe_compile
-from torchtune_ppo.config import checks, share_group_prompt, validate_config
+from torchtune_ppo.config import batches, share_group_prompt, validate_config
 from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.ppo.update import LossSettings, PPOUpdate
 from torchtune_ppo.rlhf import ScoringSettings, block_causal_masks, packing
@@ -407,7 +407,7 @@ def _grpo(tmp_path, **overrides):
 
 def test_switch_on_wherever_the_sizes_allow_and_falls_back_with_a_note(tmp_path, monkeypatch):
     notes = []
-    monkeypatch.setattr(checks, "_note", notes.append)
+    monkeypatch.setattr(batches, "note", notes.append)
     assert share_group_prompt(_grpo(tmp_path, num_samples_per_prompt=4)) and not notes
     assert share_group_prompt(_grpo(tmp_path, num_samples_per_prompt=4, share_group_prefill=True))
     assert not share_group_prompt(_grpo(tmp_path, num_samples_per_prompt=4, share_group_prefill=False)) and not notes

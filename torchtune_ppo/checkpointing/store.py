@@ -64,7 +64,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
 from torchtune_ppo._patches.checkpointer import set_weight_map
-from torchtune_ppo.config.checks import import_component
+from torchtune_ppo.config.components import import_component
 # checkpoints/ and each step's config.yaml: named below this package, read at validation too
 from torchtune_ppo.config.run_folder import CHECKPOINTS_DIRNAME, CONFIG_FNAME  # noqa: F401
 from torchtune_ppo.config.run_folder import STEP_RE as _STEP_RE

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from omegaconf import DictConfig, ListConfig
 from torchtune import config as tt_config
 
-from torchtune_ppo.config.checks import import_component
+from torchtune_ppo.config.components import import_component
 
 # How many over-long prompts an error lists by index; the count covers all of them.
 _LISTED_PROMPTS = 5

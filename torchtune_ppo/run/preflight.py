@@ -24,15 +24,12 @@ from omegaconf import DictConfig
 from torchtune import config as tt_config
 
 from torchtune_ppo import checkpointing
-from torchtune_ppo.config.checks import (
-    _omp_num_threads,
-    check_sequence_length,
-    check_world_size,
-    validate_with_tokenizer,
-    warn_unknown_tokens,
-)
+from torchtune_ppo.config.batches import check_world_size
 from torchtune_ppo.config.data_files import instantiate_dataset, validate_dataset
+from torchtune_ppo.config.generation import validate_with_tokenizer, warn_unknown_tokens
+from torchtune_ppo.config.machine import omp_num_threads
 from torchtune_ppo.config.precision import native_bf16
+from torchtune_ppo.config.weights import check_sequence_length
 from torchtune_ppo.data.identity import check_resumed_data, data_identity
 from torchtune_ppo.eval.data import eval_prompts
 from torchtune_ppo.run.memory import check_plan
@@ -76,7 +73,7 @@ def preflight(cfg: DictConfig, *, world_size: int, log) -> Preflight:
             folder at fault and what would be valid.
     """
     check_world_size(cfg, world_size)
-    _omp_num_threads()  # also on a GPU run, whose CPU work OpenMP still threads
+    omp_num_threads()  # also on a GPU run, whose CPU work OpenMP still threads
     if cfg.dtype == "bf16" and cfg.device == "cpu" and native_bf16() is False:
         log.warning("dtype=bf16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): "
                     "torch emulates its products, so this run is slower than in fp32.")
