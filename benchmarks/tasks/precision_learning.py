@@ -59,13 +59,24 @@ def command(config_path: Path, dtype: str, seed: int, run_dir: Path, extra: List
             f"dtype={dtype}", f"seed={seed}", "log_samples_every_n_steps=null", *extra]
 
 
-def summarize(run_dir: Path) -> Dict[str, Any]:
-    """The run's accuracies, minutes and rewards, from its metric log."""
-    sys.path.insert(0, str(ROOT))
-    from torchtune_ppo.run.logs import read_disk_log, read_eval_log
+def read_logs(log_dir: Path) -> "tuple[List[Dict[str, float]], List[tuple]]":
+    """Every step's row and every evaluation's ``(step, row)`` over all of a run's metric logs,
+    oldest first: a run resumed after an interruption writes a new ``log_*.txt`` from the step
+    it resumed at, whose rows replace the first log's rows of the same steps."""
+    steps: Dict[int, Dict[str, float]] = {}
+    evals: Dict[int, Dict[str, float]] = {}
+    for log in sorted(log_dir.glob("log_*.txt"), key=lambda f: f.stat().st_mtime):
+        for line in log.read_text().splitlines():
+            if line.startswith("Step "):
+                head, payload = line.split(" | ", 1)
+                row = {k: float(v) for k, v in (item.split(":", 1) for item in payload.split())}
+                (evals if any(k.startswith("val/") for k in row) else steps)[int(head.split()[1])] = row
+    return [steps[k] for k in sorted(steps)], [(k, evals[k]) for k in sorted(evals)]
 
-    steps = read_disk_log(run_dir / "logs")
-    evals = read_eval_log(run_dir / "logs")
+
+def summarize(run_dir: Path) -> Dict[str, Any]:
+    """The run's accuracies, minutes and rewards, from its metric logs."""
+    steps, evals = read_logs(run_dir / "logs")
     if not steps or not evals:
         raise RuntimeError(f"{run_dir}: no step or no evaluation logged")
     # PPO loop time up to the end of each evaluation: evaluations and steps in the order they ran
