@@ -21,18 +21,29 @@ checkpoint by the next attempt:
   lock (a regular expression that backtracks for hours); ``turns.timeout_s`` must stop it and the
   failure stop the run (``turns.max_env_failures=0``: exit 1, the last completed step saved);
 - ``env_exits``: a random environment step calls ``sys.exit(3)`` or ``os._exit(3)``; the run must
-  stop the same way (exit 1, the last completed step saved), never silently or with nothing saved.
+  stop the same way (exit 1, the last completed step saved), never silently or with nothing saved;
+- ``sigkill_during_eval``: the process SIGKILLs itself inside its first or second evaluation, after
+  the responses of its first or second batch of prompts are generated (before its ``val/`` row is
+  logged); the resume must run that evaluation again, from the checkpoint written before it.
+
+When ``sigkill_during_eval`` can be drawn, every run (the uninterrupted one too) evaluates the
+policy before step 1, every 2 steps and after the last, on the first 16 of the task's prompts; the
+other faults then hit runs that evaluate as well.
 
 When an ``env_*`` fault can be drawn, every run (the uninterrupted one too) is a multi-turn run
 with :class:`ChaosEnv`, which answers some first turns with an observation and ends every other
 episode, so that the other faults hit the multi-turn rollout as well; otherwise the runs are
-single-turn.
+single-turn. The ``env_*`` faults hit the training's episodes only: an evaluation's episode whose
+environment step fails is scored as ended, as documented, and the evaluation goes on, so its
+``val/`` row would rightly differ from the uninterrupted run's.
 
 A run that reaches its last step before the faults are spent is followed by a fresh one
 (``chaos_<k>``), each compared with the same uninterrupted run. After every attempt each
 ``step_*`` folder must be complete, match its checksums and hold finite
-weights and optimizer state. At the end the metrics of every step (the last value logged for it)
-and the final weights must equal the uninterrupted run's, bit for bit.
+weights and optimizer state. At the end the metrics of every step and of every evaluation (the
+last row logged for it over the attempts; a step the uninterrupted run evaluated and this one did
+not, or the other way round, is a difference) and the final weights must equal the uninterrupted
+run's, bit for bit; no process may log a step or an evaluation twice.
 
 Usage (one attempt is one process start, ~10-20 s on 2 CPU cores; 50 faults ~15-20 min)::
 
@@ -61,17 +72,28 @@ FAULTS = ("sigkill", "sigkill_during_save", "sigterm", "reward_raises", "full_di
           "data_edit")
 DATA_FNAME = "prompts.json"  # the run's prompts, a copy of the tiny task's, in the workdir
 SAVE_POINTS = ("after_policy", "after_value", "after_training_state", "before_rename")
-FAULTS += ("env_hangs", "env_exits")
+FAULTS += ("env_hangs", "env_exits", "sigkill_during_eval")
 ENV_FAULTS = ("env_hangs", "env_exits")
 RAISE_ENV = "CHAOS_RAISE_AT_ROLLOUT"  # the n-th rollout of this process raises
 ENV_FAULT = "CHAOS_ENV_FAULT"  # "<how>:<n>": the n-th environment step (of a worker) hangs or exits
-HOOK_ENVS = ("TORCHTUNE_PPO_CRASH_DURING_SAVE", "TORCHTUNE_PPO_FULL_DISK_DURING_SAVE", RAISE_ENV, ENV_FAULT)
+EVAL_KILL = "CHAOS_KILL_IN_EVAL"  # "<n>:<k>": SIGKILL after the k-th batch of the n-th evaluation
+EVAL_KILLED = "chaos: SIGKILL inside the evaluation after step"  # what the worker prints first
+HOOK_ENVS = ("TORCHTUNE_PPO_CRASH_DURING_SAVE", "TORCHTUNE_PPO_FULL_DISK_DURING_SAVE", RAISE_ENV, ENV_FAULT,
+             EVAL_KILL)
 # With env_* faults: every run has the environment; a stuck step is stopped after 2 s and any
 # failed step stops the run after its episodes, so that the step is run again on resume.
 ENV_OVERRIDES = ["env._component_=chaos.ChaosEnv", "turns.observation_template='{observation}'",
                  "turns.timeout_s=2", "turns.max_env_failures=0"]
 EXIT_HOWS = ("sys.exit", "os._exit")
-_run_overrides: List[str] = []  # ENV_OVERRIDES when env_* faults can be drawn (main)
+# With sigkill_during_eval: every run evaluates (before step 1, every 2 steps, after the last) the
+# first 16 of the tiny task's prompts (its own file, which data_edit never touches), in 2 batches.
+EVAL_OVERRIDES = ["eval.every_n_steps=2", "eval.max_prompts=16", "eval.batch_size=8",
+                  "eval.dataset._component_=torchtune.datasets.text_completion_dataset", "eval.dataset.source=json",
+                  "eval.dataset.column=prompt", "eval.dataset.split=train", "eval.dataset.add_eos=False"]
+_run_overrides: List[str] = []  # ENV_OVERRIDES and EVAL_OVERRIDES where their faults can be drawn (main)
+# With the run's seed 0, a training episode's environment seed is at least 1_009 * 4_096 (step 1,
+# TurnRunner.episode_seeds), an evaluation's (eval_seed + row) far below it.
+TRAINING_SEEDS = 1_009 * 4_096
 
 
 # ----------------------------------------------------------------------------- the environment
@@ -79,9 +101,10 @@ _run_overrides: List[str] = []  # ENV_OVERRIDES when env_* faults can be drawn (
 
 class ChaosEnv:
     """Answers the first turn of an episode with an even seed with ``" ok"`` and ends every other
-    episode; with ``CHAOS_ENV_FAULT=<how>:<n>`` in the environment, its ``n``-th step (counted in
-    the process that runs the steps) misbehaves: ``hang`` (a regular expression that backtracks
-    for hours, holding the interpreter lock), ``sys.exit`` or ``os._exit``."""
+    episode; with ``CHAOS_ENV_FAULT=<how>:<n>`` in the environment, its ``n``-th step of a
+    training episode (counted in the process that runs the steps) misbehaves: ``hang`` (a regular
+    expression that backtracks for hours, holding the interpreter lock), ``sys.exit`` or
+    ``os._exit``. An evaluation's episodes are answered alike and never misbehave."""
 
     def __init__(self) -> None:
         how, _, n = os.environ.get(ENV_FAULT, "").partition(":")
@@ -92,8 +115,8 @@ class ChaosEnv:
 
         from torchtune_ppo.envs import EnvStep
 
-        self.calls += 1
-        if self.calls == self.at:
+        self.calls += conversation.seed >= TRAINING_SEEDS
+        if self.calls == self.at and conversation.seed >= TRAINING_SEEDS:
             if self.how == "hang":
                 re.match(r"(a+)+$", "a" * 40 + "b")
             elif self.how == "sys.exit":
@@ -108,9 +131,11 @@ class ChaosEnv:
 
 
 def worker(overrides: List[str]) -> None:
-    """The recipe, as ``tune run ppo_full_finetune`` runs it, with the reward-raises hook."""
+    """The recipe, as ``tune run ppo_full_finetune`` runs it, with the reward-raises and the
+    kill-in-evaluation hooks."""
     import ppo_full_finetune
 
+    from torchtune_ppo.eval.evaluator import EvalScorer, Evaluator
     from torchtune_ppo.rollout import Rollout
 
     raise_at = int(os.environ.get(RAISE_ENV, "0"))
@@ -126,6 +151,25 @@ def worker(overrides: List[str]) -> None:
             return out
 
         Rollout.__call__ = raising_once
+    kill_at = os.environ.get(EVAL_KILL)
+    if kill_at:
+        at_eval, at_batch = map(int, kill_at.split(":"))
+        counts = {"evaluations": 0, "batches": 0, "step": None}
+        evaluate, score = Evaluator.evaluate, EvalScorer.__call__
+
+        def counting(self, step):
+            counts["evaluations"], counts["step"] = counts["evaluations"] + 1, step
+            return evaluate(self, step)
+
+        def killing(self, *args, **kwargs):  # a batch's responses are generated, its scores not yet
+            if counts["evaluations"] == at_eval:
+                counts["batches"] += 1
+                if counts["batches"] == at_batch:
+                    print(f"{EVAL_KILLED} {counts['step']}", file=sys.stderr, flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return score(self, *args, **kwargs)
+
+        Evaluator.evaluate, EvalScorer.__call__ = counting, killing
     sys.argv = ["ppo_full_finetune", "--config", str(CONFIG), *overrides]
     sys.exit(ppo_full_finetune.recipe_main())
 
@@ -150,18 +194,47 @@ def _start(out: Path, steps: int, resume: bool, log, **hooks: str) -> subprocess
     return subprocess.Popen(cmd, cwd=ROOT, env=_env(**hooks), stdout=log, stderr=log)
 
 
-def _log_lines(out: Path) -> List[str]:
+def _log_files(out: Path) -> List[List[str]]:
+    """The ``Step`` lines of each ``log_*.txt`` (one per process), oldest first."""
     files = sorted((out / "logs").glob("log_*.txt"), key=lambda f: f.stat().st_mtime)
-    return [line for f in files for line in f.read_text().splitlines() if line.startswith("Step ")]
+    return [[line for line in f.read_text().splitlines() if line.startswith("Step ")] for f in files]
 
 
-def logged_metrics(out: Path) -> Dict[int, Dict[str, str]]:
-    """``{step: {metric: text}}``, the last value logged for each step over every attempt."""
-    metrics = {}
+def _log_lines(out: Path) -> List[str]:
+    return [line for lines in _log_files(out) for line in lines]
+
+
+def _row(line: str) -> Tuple[int, Dict[str, str]]:
+    head, payload = line.split(" | ", 1)
+    return int(head.split()[1]), dict(item.split(":", 1) for item in payload.split())
+
+
+def _is_eval(row: Dict[str, str]) -> bool:
+    return any(k.startswith("val/") for k in row)
+
+
+def logged_metrics(out: Path) -> Tuple[Dict[int, Dict[str, str]], Dict[int, Dict[str, str]]]:
+    """``{step: {metric: text}}`` of the steps and of the evaluations (their ``val/`` rows, logged
+    at the step they followed), each the last row logged for its step over every attempt."""
+    steps, evals = {}, {}
     for line in _log_lines(out):
-        head, payload = line.split(" | ", 1)
-        metrics[int(head.split()[1])] = dict(item.split(":", 1) for item in payload.split())
-    return metrics
+        step, row = _row(line)
+        (evals if _is_eval(row) else steps)[step] = row
+    return steps, evals
+
+
+def logged_twice(out: Path) -> List[str]:
+    """The steps and evaluations a process logged more than once."""
+    found = []
+    for i, lines in enumerate(_log_files(out)):
+        seen = set()
+        for line in lines:
+            step, row = _row(line)
+            key = ("the evaluation after step" if _is_eval(row) else "step", step)
+            if key in seen:
+                found.append(f"{out}: process {i + 1} logged {key[0]} {step} twice")
+            seen.add(key)
+    return found
 
 
 def _timing(key: str) -> bool:
@@ -229,7 +302,7 @@ def reference(workdir: Path, steps: int, log) -> Tuple[Path, float, float]:
     proc = _start(out, steps, False, log)
     first = None
     while proc.poll() is None:
-        if first is None and (out / "logs").is_dir() and _log_lines(out):
+        if first is None and (out / "logs").is_dir() and _step_lines(out):
             first = time.monotonic() - start
         time.sleep(0.1)
     if proc.returncode != 0:
@@ -239,10 +312,14 @@ def reference(workdir: Path, steps: int, log) -> Tuple[Path, float, float]:
     return out, first, max(0.05, (wall - first) / max(1, steps - 1))
 
 
+def _step_lines(out: Path) -> List[str]:
+    return [line for line in _log_lines(out) if not _is_eval(_row(line)[1])]
+
+
 def _wait_steps(proc: subprocess.Popen, out: Path, n: int, timeout: float) -> None:
-    deadline, base = time.monotonic() + timeout, len(_log_lines(out)) if (out / "logs").is_dir() else 0
+    deadline, base = time.monotonic() + timeout, len(_step_lines(out)) if (out / "logs").is_dir() else 0
     while proc.poll() is None and time.monotonic() < deadline:
-        if ((out / "logs").is_dir() and len(_log_lines(out)) - base >= n):
+        if ((out / "logs").is_dir() and len(_step_lines(out)) - base >= n):
             return
         time.sleep(0.05)
 
@@ -314,6 +391,11 @@ def attempt(out: Path, steps: int, fault: str, rng: random.Random, startup: floa
         how = "hang" if fault == "env_hangs" else rng.choice(EXIT_HOWS)
         hooks[ENV_FAULT] = f"{how}:{rng.randint(1, 16)}"  # a step has 8 rows: one of its first two steps
         what = f"{fault}:{hooks[ENV_FAULT]}"
+    elif fault == "sigkill_during_eval":
+        hooks[EVAL_KILL] = f"{rng.randint(1, 2)}:{rng.randint(1, 2)}"  # 16 prompts: 2 batches of 8
+        what = f"{fault}:evaluation {hooks[EVAL_KILL].replace(':', ', batch ')}"
+    log.flush()
+    mark = log.tell()
     proc = _start(out, steps, resume, log, **hooks)
     if fault in ("sigkill", "sigterm", "sighup", "damaged_checkpoint"):
         sig = {"sigkill": signal.SIGKILL, "sighup": signal.SIGHUP}.get(fault, signal.SIGTERM)
@@ -338,6 +420,15 @@ def attempt(out: Path, steps: int, fault: str, rng: random.Random, startup: floa
         what += " (hung: killed)"
     if fault == "damaged_checkpoint":
         what = f"{fault}:{damaged}, then sigterm@{what.split('@', 1)[1]}"
+    if fault == "sigkill_during_eval":
+        log.flush()
+        with open(log.name) as f:
+            f.seek(mark)
+            said = [line for line in f.read().splitlines() if line.startswith(EVAL_KILLED)]
+        if said:
+            what += f" (after step {said[-1].split()[-1]})"
+        elif rc != 0:  # rc 0: the run ended before that evaluation
+            found.append("sigkill_during_eval: the process did not die inside an evaluation")
     return rc, what, found, applied
 
 
@@ -345,7 +436,9 @@ _EXPECTED_RC = {"sigkill": (-9, 0), "sigkill_during_save": (-9, 0), "sigterm": (
                 "reward_raises": (1, 0), "full_disk": (1, 0), "sighup": (128 + 1, -1, 0),
                 "damaged_checkpoint": (128 + 15, -15, 0), "data_edit": (1,),
                 # 0: the attempt reached the end of the run before its n-th environment step
-                "env_hangs": (1, 0), "env_exits": (1, 0)}
+                "env_hangs": (1, 0), "env_exits": (1, 0),
+                # 0: the attempt reached the end of the run before its n-th evaluation
+                "sigkill_during_eval": (-9, 0)}
 
 
 def faulted_run(out: Path, ref: Path, steps: int, sequence: List[str], kinds: List[str], budget: int,
@@ -374,13 +467,18 @@ def faulted_run(out: Path, ref: Path, steps: int, sequence: List[str], kinds: Li
             problems.append(f"{out}: the final attempt failed (rc={proc.returncode})")
         problems += check_disk(out)
 
-    want, got = logged_metrics(ref), logged_metrics(out)
+    (want, want_evals), (got, got_evals) = logged_metrics(ref), logged_metrics(out)
     if sorted(got) != list(range(1, steps + 1)):
         problems.append(f"{out}: logged steps {sorted(got)}")
-    for step in sorted(want):
-        for key, value in want[step].items():
-            if not _timing(key) and got.get(step, {}).get(key) != value:
-                problems.append(f"{out}: step {step}: {key} = {got.get(step, {}).get(key)}, uninterrupted {value}")
+    if sorted(got_evals) != sorted(want_evals):
+        problems.append(f"{out}: evaluated after steps {sorted(got_evals)}, uninterrupted {sorted(want_evals)}")
+    for what, wanted, logged in (("step", want, got), ("evaluation after step", want_evals, got_evals)):
+        for step in sorted(wanted):
+            for key, value in wanted[step].items():
+                if not _timing(key) and logged.get(step, {}).get(key) != value:
+                    problems.append(f"{out}: {what} {step}: {key} = {logged.get(step, {}).get(key)}, "
+                                    f"uninterrupted {value}")
+    problems += logged_twice(out)
     final = out / "checkpoints" / f"step_{steps}"
     if final.is_dir():
         import torch
@@ -411,16 +509,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     for kind in sequence or kinds:
         if kind not in FAULTS:
             parser.error(f"unknown fault {kind!r}; choose from {', '.join(FAULTS)}")
-    if set(sequence or kinds) & set(ENV_FAULTS):
-        _run_overrides[:] = ENV_OVERRIDES
-    args.workdir.mkdir(parents=True, exist_ok=True)
     from torchtune_ppo import asset_path
+
+    _run_overrides[:] = ENV_OVERRIDES if set(sequence or kinds) & set(ENV_FAULTS) else []
+    if "sigkill_during_eval" in (sequence or kinds):
+        eval_data = asset_path(f"tiny_sentiment/{DATA_FNAME}")
+        _run_overrides.extend([*EVAL_OVERRIDES, f"eval.dataset.data_files={eval_data}"])
+    args.workdir.mkdir(parents=True, exist_ok=True)
 
     shutil.copyfile(asset_path("tiny_sentiment/prompts.json"), args.workdir / DATA_FNAME)
     log = open(args.workdir / "processes.log", "w")
     ref, startup, per_step = reference(args.workdir, args.steps, log)
+    evaluated = sorted(logged_metrics(ref)[1])
     print(f"reference: {args.steps} steps, startup {startup:.1f}s, {per_step:.2f}s/step, "
-          f"{'multi-turn (ChaosEnv)' if _run_overrides else 'single-turn'}", flush=True)
+          f"{'multi-turn (ChaosEnv)' if ENV_OVERRIDES[0] in _run_overrides else 'single-turn'}, "
+          f"{f'evaluated after steps {evaluated}' if evaluated else 'no evaluation'}", flush=True)
 
     problems, faults, rounds = [], 0, 0
     while faults < args.faults:  # a run that reaches its end before the faults are spent: another
