@@ -163,8 +163,9 @@ def test_compiled_two_processes_match_one_eager_process_without_a_value_model(on
         assert a["zero_std_groups"] == b["zero_std_groups"] == 1.0
     # not vacuous: step 1 moved the policy away from the reference
     assert abs(one[1]["kl"]) > 1e-6 and abs(one[1]["kl_loss"]) > 1e-9
+    # the last step's checkpoint is written before its evaluation, which is then recorded in it
     assert sorted(p.name for p in (tmp_path / "two/checkpoints/step_2").iterdir()) == [
-        "COMPLETE", "config.yaml", "policy", "training_state.pt"]
+        "COMPLETE", "config.yaml", "evaluation.json", "policy", "training_state.pt"]
     # each process evaluates its half of the 500 held-out problems: the sums give the one process's metrics
     two_evals = read_eval_log(tmp_path / "two/logs")
     assert [step for step, _ in two_evals] == [step for step, _ in one_evals] == [0, 2]
