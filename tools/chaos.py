@@ -37,8 +37,8 @@ single-turn. The ``env_*`` faults hit the training's episodes only: an evaluatio
 environment step fails is scored as ended, as documented, and the evaluation goes on, so its
 ``val/`` row would rightly differ from the uninterrupted run's.
 
-A run that reaches its last step before the faults are spent is followed by a fresh one
-(``chaos_<k>``), each compared with the same uninterrupted run. After every attempt each
+A run that reaches its end (its last step saved and, when it evaluates, the evaluation after it
+recorded) before the faults are spent is followed by a fresh one (``chaos_<k>``), each compared with the same uninterrupted run. After every attempt each
 ``step_*`` folder must be complete, match its checksums and hold finite
 weights and optimizer state. At the end the metrics of every step and of every evaluation (the
 last row logged for it over the attempts; a step the uninterrupted run evaluated and this one did
@@ -288,6 +288,17 @@ def _latest_step(out: Path) -> Optional[int]:
     return complete[-1][0] if complete else None
 
 
+def _finished(out: Path, steps: int) -> bool:
+    """The run's last step is saved and, when the runs evaluate, the evaluation after it recorded
+    in that checkpoint (one killed before it finished runs on resume)."""
+    from torchtune_ppo.checkpointing import store
+
+    if _latest_step(out) != steps:
+        return False
+    return (EVAL_OVERRIDES[0] not in _run_overrides
+            or (out / store.CHECKPOINTS_DIRNAME / f"step_{steps}" / store.EVALUATION_FNAME).is_file())
+
+
 def _weights(step_dir: Path):
     from safetensors.torch import load_file
 
@@ -447,7 +458,7 @@ def faulted_run(out: Path, ref: Path, steps: int, sequence: List[str], kinds: Li
     """One run hit by up to ``budget`` faults, then finished; returns the faults applied and
     every problem found (on disk after each fault, and against the reference at the end)."""
     problems, faults = [], 0
-    while faults < budget and _latest_step(out) != steps:
+    while faults < budget and not _finished(out, steps):
         fault = sequence[faults] if sequence else rng.choice(kinds)
         rc, what, found, applied = attempt(out, steps, fault, rng, startup, per_step, log)
         if applied != fault:
@@ -460,7 +471,7 @@ def faulted_run(out: Path, ref: Path, steps: int, sequence: List[str], kinds: Li
               + (f"; PROBLEMS: {found}" if found else ""), flush=True)
         problems += [f"fault {first_fault + faults} ({what}): {p}" for p in found]
     for _ in range(3):  # then to the end without faults
-        if _latest_step(out) == steps:
+        if _finished(out, steps):
             break
         proc = _start(out, steps, _latest_step(out) is not None, log)
         if proc.wait() != 0:
