@@ -136,6 +136,11 @@ def worker(overrides: List[str]) -> None:
     import ppo_full_finetune
 
     from torchtune_ppo.eval.evaluator import EvalScorer, Evaluator
+
+    # A driver started with SIGHUP ignored (nohup) would pass that on, and the run, as documented,
+    # would keep ignoring it: the sighup fault is a closed terminal's, on a run that can hear it.
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
     from torchtune_ppo.rollout import Rollout
 
     raise_at = int(os.environ.get(RAISE_ENV, "0"))
@@ -423,6 +428,8 @@ def attempt(out: Path, steps: int, fault: str, rng: random.Random, startup: floa
             what = f"{fault}@{n} steps+{delay:.2f}s"
         if proc.poll() is None:
             proc.send_signal(sig)
+        else:
+            what += " (the attempt had ended: not sent)"
     try:
         rc = proc.wait(timeout=600)
     except subprocess.TimeoutExpired:
