@@ -38,12 +38,13 @@ environment step fails is scored as ended, as documented, and the evaluation goe
 ``val/`` row would rightly differ from the uninterrupted run's.
 
 A run that reaches its end (its last step saved and, when it evaluates, the evaluation after it
-recorded) before the faults are spent is followed by a fresh one (``chaos_<k>``), each compared with the same uninterrupted run. After every attempt each
-``step_*`` folder must be complete, match its checksums and hold finite
-weights and optimizer state. At the end the metrics of every step and of every evaluation (the
-last row logged for it over the attempts; a step the uninterrupted run evaluated and this one did
-not, or the other way round, is a difference) and the final weights must equal the uninterrupted
-run's, bit for bit; no process may log a step or an evaluation twice.
+recorded) before the faults are spent is followed by a fresh one (``chaos_<k>``), each compared
+with the same uninterrupted run. After every attempt each ``step_*`` folder must be complete,
+match its checksums and hold finite weights and optimizer state. At the end the metrics of every
+step and of every evaluation (the last row logged for it over the attempts; a step the
+uninterrupted run evaluated and this one did not, or the other way round, is a difference) and
+the final weights must equal the uninterrupted run's, bit for bit; no process may log a step or
+an evaluation twice.
 
 Usage (one attempt is one process start, ~10-20 s on 2 CPU cores; 50 faults ~15-20 min)::
 
@@ -136,11 +137,6 @@ def worker(overrides: List[str]) -> None:
     import ppo_full_finetune
 
     from torchtune_ppo.eval.evaluator import EvalScorer, Evaluator
-
-    # A driver started with SIGHUP ignored (nohup) would pass that on, and the run, as documented,
-    # would keep ignoring it: the sighup fault is a closed terminal's, on a run that can hear it.
-    if hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
     from torchtune_ppo.rollout import Rollout
 
     raise_at = int(os.environ.get(RAISE_ENV, "0"))
@@ -196,7 +192,14 @@ def _start(out: Path, steps: int, resume: bool, log, **hooks: str) -> subprocess
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", f"output_dir={out}",
            f"num_ppo_steps={steps}", *SHAPE, *_run_overrides, f"dataset.data_files={_data(out)}",
            f"resume_from_checkpoint={resume}"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(**hooks), stdout=log, stderr=log)
+    # SIGHUP heard from the start, even under a driver started with it ignored (nohup), which the
+    # run, as documented, would go on ignoring: the sighup fault is a closed terminal's.
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(**hooks), stdout=log, stderr=log, preexec_fn=_hear_sighup)
+
+
+def _hear_sighup() -> None:
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def _log_files(out: Path) -> List[List[str]]:
