@@ -84,7 +84,6 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._score_history: List[Dict[str, float]] = []  # for the end-of-run summary
         self._recompiles = compiling.RecompileCounter.for_run(cfg, self._is_rank_zero)  # graphs compiled after step 1
         self._skipped = SkippedSteps(max_consecutive=cfg.max_consecutive_skipped_steps)
-        self._pending_rng_state = None  # restored once the data iterator is back in place
 
     def setup(self, cfg: DictConfig) -> None:
         # Everything that can fail without weights fails here, before any model loads.
@@ -119,7 +118,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         if checked.resume_from:
             state = self._checkpoints.load(checked.resume_from)
             self._progress.load_state_dict(state)
-            self._pending_rng_state = state["rng"]
+            self._checkpoints.pending_rng = state["rng"]  # put back once the data iterator is in place
             # After the restored state, which holds the saved optimizer settings: the config's win.
             checkpointing.apply_optimizer_overrides(self._update.optimizer, cfg.optimizer, self._update.lr_scheduler)
         self._evaluator = build_evaluator(cfg.eval, checked, self._rollout, regions.generation, self._progress.evaluation,
@@ -280,12 +279,12 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     def _run_epoch(self, on_step, pbar: tqdm, stop) -> None:
         progress_ = self._progress
         self._sampler.set_epoch(progress_.epochs_run)
+        if progress_.global_step == 0:  # a checkpoint of step 0 was captured before any data iterator
+            self._checkpoints.restore_pending_rng()
         batches = iter(self._dataloader)
         for _ in range(progress_.batches_run_in_epoch):  # resuming: the batches already trained on
             next(batches)
-        if self._pending_rng_state is not None:
-            self._checkpoints.restore_rng(self._pending_rng_state)
-            self._pending_rng_state = None
+        self._checkpoints.restore_pending_rng()
         for batch in batches:
             pretraining = progress_.pretraining
             metrics = self.train_step(batch["tokens"].to(self._device), batch["prompt_lens"].to(self._device),

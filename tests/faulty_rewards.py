@@ -37,3 +37,16 @@ def kills_while(env: str):
         return score(prompts, responses, **kwargs)
 
     return reward
+
+
+def sigterms_while(env: str):
+    """The arithmetic reward, sending its own process SIGTERM while ``env`` is set: the run ends
+    what it is doing, saves and exits 143, as when it is stopped from outside."""
+    score = ExactMatch(extract="last_number")
+
+    def reward(prompts, responses, **kwargs):
+        if os.environ.get(env):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return score(prompts, responses, **kwargs)
+
+    return reward

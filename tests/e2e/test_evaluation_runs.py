@@ -244,6 +244,21 @@ def _assert_resumed_to_the_end(out: Path, plain: Path) -> None:
         assert all(torch.equal(got[model][k], want[model][k]) for k in want[model]), model
 
 
+def test_a_stop_during_the_evaluation_before_step_1_resumes_as_the_run_without_it(plain, tmp_path):
+    """SIGTERM during the evaluation before training: the run stops before step 1 and saves step 0
+    (nothing trained). Its random states were captured before the first epoch's data iterator
+    drew from torch's generator, so the resumed run puts them back before that iterator, not
+    after: it trains as the uninterrupted run, to the weights of step 4 of the run without
+    evaluation (put back after the iterator, the minibatch order differs by one draw)."""
+    out = tmp_path / "run"
+    _faulty(out, "sigterms_while", "eval.before_training=True", rc=143)
+    assert _steps(out) == [0]
+    _faulty(out, "sigterms_while", "eval.before_training=True", "resume_from_checkpoint=True", fault=False)
+    got, want = _weights(out, 4), _weights(plain, 4)
+    for model in want:
+        assert all(torch.equal(got[model][k], want[model][k]) for k in want[model]), model
+
+
 def test_a_failing_evaluation_saves_the_completed_steps_and_the_printed_command_resumes(plain, tmp_path):
     """Nothing due for saving, the evaluation after step 2 raises: the run names the evaluation, saves
     step 2 and prints a command that, run as printed once the reward is fixed, continues the run."""

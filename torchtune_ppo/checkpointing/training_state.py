@@ -197,3 +197,16 @@ class CheckpointClient:
     def restore_rng(self, rng: Mapping[str, Any]) -> None:
         """Puts back a random state that :meth:`load` returned."""
         restore_rng_state(rng, self.generators)
+
+    pending_rng: Optional[Mapping[str, Any]] = None  # a resumed run's random states, not yet put back
+
+    def restore_pending_rng(self) -> None:
+        """Puts back ``pending_rng`` (the ``rng`` that :meth:`load` returned), once; then nothing.
+
+        The recipe puts them back where the uninterrupted run was when they were captured: after
+        the data iterator of the epoch was created (its creation draws from torch's global
+        generator), or, for a checkpoint of step 0 (a run stopped before its first step, during
+        the evaluation before training), before it."""
+        if self.pending_rng is not None:
+            self.restore_rng(self.pending_rng)
+            self.pending_rng = None
