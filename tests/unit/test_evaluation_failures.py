@@ -43,6 +43,9 @@ class _Checkpoints:
     def capture_rng(self):
         return "rng"
 
+    def restore_pending_rng(self):
+        pass
+
 
 def _recipe(tmp_path, events, evaluate, *, num_ppo_steps=4, save_every_n_steps=100, patience=None,
             on_error="stop", state=None):
@@ -64,7 +67,7 @@ def _recipe(tmp_path, events, evaluate, *, num_ppo_steps=4, save_every_n_steps=1
     recipe._evaluator, recipe._checkpoints = evaluator, _Checkpoints(events)
     recipe._step = StepInProgress(recipe._checkpoints.capture_rng)
     recipe._is_rank_zero, recipe._world_size, recipe._output_dir = True, 1, str(tmp_path)
-    recipe._device, recipe._pending_rng_state = torch.device("cpu"), None
+    recipe._device = torch.device("cpu")
     recipe._score_history, recipe._log_every_n_steps = [], 1
     recipe._profiler = types.SimpleNamespace(start=lambda: None, stop=lambda: None, step=lambda: None)
     recipe._metric_logger = types.SimpleNamespace(log_dict=lambda metrics, step: None)
