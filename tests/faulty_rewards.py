@@ -27,26 +27,23 @@ def raises_while(env: str):
     return reward
 
 
-def kills_while(env: str):
-    """The arithmetic reward, killing its own process (SIGKILL: nothing can save) while ``env`` is set."""
+def _signals_while(env: str, signum: int):
     score = ExactMatch(extract="last_number")
 
     def reward(prompts, responses, **kwargs):
         if os.environ.get(env):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signum)
         return score(prompts, responses, **kwargs)
 
     return reward
+
+
+def kills_while(env: str):
+    """The arithmetic reward, killing its own process (SIGKILL: nothing can save) while ``env`` is set."""
+    return _signals_while(env, signal.SIGKILL)
 
 
 def sigterms_while(env: str):
     """The arithmetic reward, sending its own process SIGTERM while ``env`` is set: the run ends
     what it is doing, saves and exits 143, as when it is stopped from outside."""
-    score = ExactMatch(extract="last_number")
-
-    def reward(prompts, responses, **kwargs):
-        if os.environ.get(env):
-            os.kill(os.getpid(), signal.SIGTERM)
-        return score(prompts, responses, **kwargs)
-
-    return reward
+    return _signals_while(env, signal.SIGTERM)
