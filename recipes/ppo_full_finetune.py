@@ -39,7 +39,7 @@ from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rlhf import ScoringSettings, repeat_prompts
 from torchtune_ppo.rlhf.correction import mismatch_metrics
-from torchtune_ppo.rollout import Generator, Rollout, TurnRunner, cache_tokens
+from torchtune_ppo.rollout import Generator, Rollout, Speculation, TurnRunner, cache_tokens, draft_tokens
 from torchtune_ppo.run.guards import SkippedSteps, StepInProgress, evaluate_when_due, on_step_failure
 from torchtune_ppo.run.interrupt import resume_command, stop_on_signals
 from torchtune_ppo.run.metrics import PhaseTimer, metric_logger, step_metrics
@@ -110,8 +110,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                                                   keep_last_n=cfg.keep_last_n_checkpoints)
         self._checkpoints = checkpointing.CheckpointClient(
             manager, self._models.trained, self._update.optimizer, self._update.lr_scheduler, self._skipped,
-            [self._rng], run_config=checkpointing.config_to_save(cfg), kl_controller=self._kl,
-            merge_adapters_at_end=not cfg.save_adapter_weights_only, master_weights=self._master)
+            [self._rng], run_config=checkpointing.config_to_save(cfg), kl_controller=self._kl, master_weights=self._master,
+            merge_adapters_at_end=not cfg.save_adapter_weights_only, speculation=self._rollout.speculation)
         self._step = StepInProgress(self._checkpoints.capture_rng)
         self._profiler = (training.setup_torch_profiler(enabled=False)[0] if cfg.profiler is None
                           else config.instantiate(cfg.profiler)[0])
@@ -134,7 +134,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             steps=regions.generation,  # compiled or eager, as compile.generate says
             group_size=self._group,  # n: a group's prompt computed once in generation and scoring
             dtype=self._dtype, device=self._device, cache_tokens=cache_tokens(cfg),  # more with turns
-        )
+            draft_tokens=draft_tokens(cfg))  # speculative rollouts: a draft checked in one forward
         reward = (ModelReward(self._models.reward) if self._models.reward is not None
                   else FunctionReward(config.instantiate(cfg.reward), self._tokenizer))
         settings = ScoringSettings(prompt_len=self._prompt_len, pad_id=self._tokenizer.pad_id,
@@ -146,7 +146,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
                        whole_scoring_models=regions.whole_scoring_models, reference=self._models.reference,
                        recompute_logprobs=cfg.rollout_correction.mode is not None,  # TIS / MIS
                        turns=TurnRunner.from_config(cfg, generator, self._tokenizer), share_prefix=self._prefix,
-                       segment_attention=cfg.segment_attention)  # packed rows attend by sequence
+                       segment_attention=cfg.segment_attention,  # packed rows attend by sequence
+                       speculation=Speculation.from_config(cfg, self.seed))  # position-keyed noise, drafts
 
     def _setup_update(self, cfg: DictConfig, regions: compiling.Regions) -> PPOUpdate:
         models, rows = self._models.trained, self._rows_per_step

@@ -34,6 +34,7 @@ from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.rollout.fused import fused_rollout
 from torchtune_ppo.rollout.generation import GenerationSteps, extend, generate_next_token, prefill, prefill_group
 from torchtune_ppo.rollout.scoring import packed_score_trajectory
+from torchtune_ppo.rollout.speculative import verify, verify_one
 from torchtune_ppo.run.optim import MasterStep, adam_master_step, grad_sq_sum
 
 F = TypeVar("F", bound=Callable)
@@ -233,6 +234,8 @@ def generation_steps(*, compiled: bool, mode: str = "default",
         compiled=compiled,
         cudagraphs=cudagraphs,
         extend=maybe_compile(extend, enabled=compiled, mode=prefill_mode, around_layers=around_layers),
+        verify=maybe_compile(verify, enabled=compiled, mode=prefill_mode, around_layers=around_layers),
+        verify_one=maybe_compile(verify_one, enabled=compiled, mode=prefill_mode, around_layers=around_layers),
     )
 
 

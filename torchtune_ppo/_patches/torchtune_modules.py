@@ -339,6 +339,16 @@ def _hidden_states_through_root(
     return h.to(dtype)  # unembed casts to float32
 
 
+def _update_at_row_columns(cache: nn.Module, cols: torch.Tensor, k_val: torch.Tensor,
+                           v_val: torch.Tensor):
+    """``KVCache.update`` writing row ``b``'s new columns at ``cols[b]``; ``cache_pos`` unused."""
+    B, H, s, D = k_val.shape
+    index = cols[:, None, :, None].expand(B, H, s, D)
+    cache.k_cache.scatter_(2, index, k_val)
+    cache.v_cache.scatter_(2, index, v_val)
+    return cache.k_cache, cache.v_cache
+
+
 def chunk_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -445,6 +455,20 @@ class StaticKVCache:
         finally:
             for attn in self._attn:
                 attn._attention_call = decode_attention
+
+    @contextlib.contextmanager
+    def row_writes(self, cols: torch.Tensor) -> Iterator[None]:
+        """Inside :meth:`decoding`: each cache update writes row ``b``'s ``s`` new columns at
+        ``cols[b]`` (``[B, s]``, read when the update runs, so one buffer serves every call),
+        where torchtune's update writes every row at the same columns. Speculative verification
+        (:mod:`torchtune_ppo.rollout.speculative`) keeps each row at its own length this way."""
+        for cache in self._caches:
+            cache.update = functools.partial(_update_at_row_columns, cache, cols)
+        try:
+            yield
+        finally:
+            for cache in self._caches:
+                del cache.update  # back to the class's
 
     def copy_to_group(self, n: int, cols: int) -> None:
         """Copies the first ``cols`` columns of rows ``0, n, 2n, ...`` into the other ``n - 1``

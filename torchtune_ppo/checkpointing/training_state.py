@@ -96,13 +96,20 @@ class CheckpointClient:
         master_weights (Optional[Any]): fp32 masters of bf16 weights (``state_dict`` /
             ``load_state_dict``, :class:`~torchtune_ppo.run.optim.MasterWeights`), saved and
             restored with the rest, so a resume continues from the same fp32 weights.
+        speculation (Optional[Any]): speculative rollouts' draft store (``state_dict`` /
+            ``load_state_dict``, :class:`~torchtune_ppo.rollout.speculative.Speculation`): each
+            rank's own, restored on the same number of ranks. Drafts never change what is sampled,
+            only which forward computes it (and so the last bits of its logprobs): without them a
+            resume is as exact as it is with them up to that rounding.
     """
 
     def __init__(self, manager: CheckpointManager, models: Mapping[str, nn.Module], optimizer: Any,
                  lr_scheduler: Optional[Any], skipped_steps: Any, generators: Sequence[torch.Generator],
                  run_config: Optional[Mapping[str, Any]] = None, kl_controller: Optional[Any] = None,
-                 merge_adapters_at_end: bool = True, master_weights: Optional[Any] = None) -> None:
+                 merge_adapters_at_end: bool = True, master_weights: Optional[Any] = None,
+                 speculation: Optional[Any] = None) -> None:
         self.manager, self.models = manager, dict(models)
+        self.speculation = speculation
         self.master_weights = master_weights
         self.merge_adapters_at_end = merge_adapters_at_end
         self.kl_controller = kl_controller
@@ -141,6 +148,9 @@ class CheckpointClient:
         }
         if world > 1:  # resumed on the same number of ranks, each gets its own back
             state["rng_per_rank"] = distributed.all_gather_objects(state["rng"])
+        if self.speculation is not None:  # each rank's drafts, its own prompts'
+            drafts = self.speculation.state_dict()
+            state["speculative_per_rank"] = distributed.all_gather_objects(drafts) if world > 1 else [drafts]
         # The random states in "rng" are rank 0's: a resume on another number of ranks draws
         # different samples.
         adapters = {name: (lora.adapter_state_dict(m), lora.peft_adapter_config(m), lora.head_state_dict(m))
@@ -184,6 +194,12 @@ class CheckpointClient:
                 raise ValueError(f"{checkpoint} holds no fp32 master weights (saved with master_weights=False or "
                                  "dtype=fp32): resume it with the settings it was saved with.")
             self.master_weights.load_state_dict(state["master_weights"])
+        drafts = state.get("speculative_per_rank") or []
+        if self.speculation is not None and len(drafts) == world:
+            self.speculation.load_state_dict(drafts[distributed.rank()])
+        elif self.speculation is not None and distributed.rank() == 0:
+            log.info(f"{checkpoint} holds no speculative drafts for {world} process(es): the drafts start empty "
+                     "(what is sampled is unchanged).")
         rng = state["rng"]
         if world > 1:
             per_rank = state.get("rng_per_rank") or []

@@ -44,6 +44,7 @@ from torchtune_ppo.config.schema import (
     NOTED_KEYS,
     SCHEMA,
     ROLLOUT_CORRECTION_KEYS,
+    SPECULATIVE_KEYS,
     VALUE_PRETRAIN_KEYS,
     _is_int,
     _show,
@@ -176,6 +177,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     cfg.loss = _loss_with_defaults(cfg.loss)
     _check_block_keys(cfg, "value_pretrain", VALUE_PRETRAIN_KEYS)
     _check_block_keys(cfg, "rollout_correction", ROLLOUT_CORRECTION_KEYS)
+    _check_block_keys(cfg, "speculative", SPECULATIVE_KEYS)
     _check_block_keys(cfg, "eval", EVAL_KEYS)
 
     for key in SCHEMA:

@@ -341,6 +341,28 @@ LOSS = Block(
     or_else=" or a `_component_: torchtune.rlhf.loss.PPOLoss` block",
 )
 
+SPECULATIVE_DRAFTS = ("previous", "none")
+SPECULATIVE_NOISE = ("per_step", "per_prompt")
+SPECULATIVE = Block(
+    keys=(
+        Key("enabled", Bool(), False,
+            "sample with position-keyed noise: a row's noise at response position t is a function of the run's "
+            "seed, the round, the prompt's tokens, the row's sample index and t, so a draft can be checked in one "
+            "forward and the response is still the one plain decoding samples (see [Speculative rollouts]"
+            "(speculative.md)). Not with `env` or `compile.rollout`"),
+        Key("draft", Choice(options=SPECULATIVE_DRAFTS), "previous",
+            "`previous`: the last response sampled for the same prompt and sample index is the draft; `none`: "
+            "no drafts (plain decoding with position-keyed noise)"),
+        Key("max_draft_tokens", Count(), 8, "draft tokens one verification forward checks per row"),
+        Key("noise", Choice(options=SPECULATIVE_NOISE), "per_step",
+            "`per_step`: the round is the step, so every visit of a prompt draws fresh noise; `per_prompt`: one "
+            "round for the run, so a prompt's visits share their noise (an unchanged policy samples its last "
+            "response again, and a draft is kept longer; the visits are no longer independent)"),
+        Key("max_stored", Count(), 65536, "(prompt, sample index) pairs whose last response is kept as a draft; "
+            "the oldest go first"),
+    ),
+)
+
 ROLLOUT_CORRECTION = Block(
     keys=(
         Key("mode", Choice(options=CORRECTION_MODES, optional=True), None,
@@ -619,6 +641,8 @@ SCHEMA: Tuple[Key, ...] = (
     Key("value_pretrain", VALUE_PRETRAIN, VALUE_PRETRAIN.defaults(),
         "value pretraining (VC-PPO, VAPO): the keys below; see [Value pretraining](algorithms.md#value-pretraining). "
         "`gae` only"),
+    Key("speculative", SPECULATIVE, SPECULATIVE.defaults(),
+        "exact speculative rollouts: the keys below; off by default", must_match=("enabled", "noise")),
     Key("rollout_correction", ROLLOUT_CORRECTION, ROLLOUT_CORRECTION.defaults(),
         "the rollout/training mismatch corrected (TIS, MIS): the keys below; see [Precision](precision.md). "
         "Not with a LoRA policy (its reference forward has the adapters off)"),
@@ -728,6 +752,7 @@ MUST_MATCH = tuple(k.name if k.must_match is True else f"{k.name}.{sub}"
                    for k in SCHEMA if k.must_match for sub in ((None,) if k.must_match is True else k.must_match))
 VALUE_PRETRAIN_KEYS = tuple(k.name for k in VALUE_PRETRAIN.keys)
 ROLLOUT_CORRECTION_KEYS = tuple(k.name for k in ROLLOUT_CORRECTION.keys)
+SPECULATIVE_KEYS = tuple(k.name for k in SPECULATIVE.keys)
 EVAL_KEYS = tuple(k.name for k in EVAL.keys)
 # Views of SCHEMA under the names the config module exported before it had one.
 REQUIRED_KEYS = tuple(k.name for k in SCHEMA if k.required)

@@ -81,6 +81,13 @@ def check_algorithms(cfg: DictConfig) -> None:
         raise ValueError("env (multi-turn episodes) with compile.rollout=True: the fused region unrolls one "
                          "response per prompt. Set compile.rollout=False (compile.generate and compile.trajectory "
                          "compile the episodes' regions).")
+    if cfg.speculative.enabled and (cfg.get("env") is not None or cfg.compile.rollout):
+        raise ValueError(
+            "speculative.enabled=True with " + ("env (multi-turn episodes)" if cfg.get("env") is not None
+                                                else "compile.rollout=True") +
+            ": verification runs in the single-turn generator. Set speculative.enabled=False"
+            + (", or compile.rollout=False (compile.generate compiles the verification)." if cfg.compile.rollout
+               else "."))
     cache, T = cfg.turns.cache_tokens, cfg.max_generated_tokens
     if cache is not None and cache < T:  # the Generator's rule, here before any model loads
         raise ValueError(

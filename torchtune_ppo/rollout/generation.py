@@ -24,7 +24,7 @@ of each row is sampled from the group's shared last-position logits with the row
 """
 
 import contextlib
-from typing import Callable, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torchtune.modules import TransformerDecoder
@@ -34,6 +34,7 @@ from torchtune_ppo._patches.torchtune_modules import StaticKVCache, final_hidden
 from torchtune_ppo.config import check_sampling, check_whole_groups
 from torchtune_ppo.rlhf import truncate_after_stop_token
 from torchtune_ppo.rollout.sampling import exponential_noise, sample
+from torchtune_ppo.rollout.speculative import SpeculativeStats, keyed_noise, verify, verify_one
 
 __all__ = ["GenerationInputs", "GenerationOutput", "GenerationSteps", "Generator", "extend",
            "generate_next_token", "prefill", "prefill_group"]
@@ -233,6 +234,9 @@ class GenerationSteps(NamedTuple):
             overwrites.
         extend (Callable): a chunk written anywhere in the cache, for multi-turn episodes
             (:mod:`torchtune_ppo.rollout.turns`).
+        verify (Callable): a draft checked in one forward (:func:`~torchtune_ppo.rollout.speculative.verify`).
+        verify_one (Callable): the same for one token per row at each row's own column, once no
+            row has a draft left.
     """
 
     prefill: Callable
@@ -241,6 +245,8 @@ class GenerationSteps(NamedTuple):
     compiled: bool = False
     cudagraphs: bool = False
     extend: Callable = extend
+    verify: Callable = verify
+    verify_one: Callable = verify_one
 
 
 EAGER_STEPS = GenerationSteps(prefill, prefill_group, generate_next_token)
@@ -274,6 +280,9 @@ class Generator:
         cache_tokens (Optional[int]): KV cache columns after the prompt's ``P``; None: ``T``.
             Multi-turn episodes (:mod:`torchtune_ppo.rollout.turns`) leave gaps in the cache
             and take more.
+        draft_tokens (int): the most draft tokens one verification forward checks
+            (:mod:`~torchtune_ppo.rollout.speculative`); 0: no speculation. The cache takes
+            ``draft_tokens`` more columns.
 
     Raises:
         ValueError: on an invalid argument, naming it and its value.
@@ -297,10 +306,15 @@ class Generator:
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
         cache_tokens: Optional[int] = None,
+        draft_tokens: int = 0,
     ) -> None:
         param = next(model.parameters())
         # cache columns after the prompt: T, or more for multi-turn episodes (rollout/turns.py)
         self.cache_tokens = max_generated_tokens if cache_tokens is None else cache_tokens
+        if not isinstance(draft_tokens, int) or draft_tokens < 0:
+            raise ValueError(f"Generator: draft_tokens={draft_tokens!r} is invalid; expected an int >= 0.")
+        self.draft_tokens = draft_tokens
+        self.cache_tokens += draft_tokens  # a finished row's chunk still writes past its last token
         self.model = model
         self.batch_size, self.max_prompt_len = batch_size, max_prompt_len
         self.max_generated_tokens, self.pad_id = max_generated_tokens, pad_id
@@ -355,6 +369,18 @@ class Generator:
         self._group_tokens = torch.empty(G, P, dtype=torch.long, device=dev)
         self._group_pos = torch.empty(G, P, dtype=torch.long, device=dev)
         self._group_mask = torch.empty(G, P, S, dtype=torch.bool, device=dev)
+        # Position-keyed noise (generate's noise_keys) and speculative verification.
+        self._keys: Optional[List[int]] = None
+        self._key_rng = torch.Generator(device=dev)
+        self.spec_stats = SpeculativeStats()
+        self._spec = {width: dict(tokens=torch.empty(B, width, dtype=torch.long, device=dev),
+                                  pos=torch.empty(B, width, dtype=torch.long, device=dev),
+                                  mask=torch.empty(B, width, S, dtype=torch.bool, device=dev),
+                                  cols=torch.empty(B, width, dtype=torch.long, device=dev),
+                                  noise=None if self.greedy else
+                                  torch.empty(B, width, self.noise_width, dtype=torch.float32, device=dev))
+                      for width in {1, self.draft_tokens + 1}} if self.draft_tokens else {}
+        self._cols = cols
 
     def prepare(self, prompts: torch.Tensor, prompt_lens: torch.Tensor,
                 rng: Optional[torch.Generator] = None) -> GenerationInputs:
@@ -388,10 +414,15 @@ class Generator:
             self._group_mask.copy_(inp.prefill_mask[::n])
         return inp
 
-    def draw_noise(self, rng: Optional[torch.Generator], steps: Optional[int] = None) -> Optional[torch.Tensor]:
-        """Exponential(1) draws for one step ``[B, W]`` (in a reused buffer), or ``[steps, B, W]``."""
+    def draw_noise(self, rng: Optional[torch.Generator], steps: Optional[int] = None,
+                   position: int = 0) -> Optional[torch.Tensor]:
+        """Exponential(1) draws for one step ``[B, W]`` (in a reused buffer), or ``[steps, B, W]``;
+        inside a call with ``noise_keys``, response ``position``'s keyed draws instead of ``rng``'s."""
         if self.greedy:
             return None
+        if self._keys is not None and steps is None:
+            keyed_noise(self._noise[:, None], self._keys, [[position]] * self.batch_size, self._key_rng)
+            return self._noise
         if steps is None:
             return exponential_noise(self._noise, rng)
         return exponential_noise(torch.empty(steps, *self._noise.shape, device=self.device), rng)
@@ -403,6 +434,8 @@ class Generator:
         prompt_lens: torch.Tensor,
         rng: Optional[torch.Generator] = None,
         return_logits: bool = False,
+        noise_keys: Optional[Sequence[int]] = None,
+        drafts: Optional[Sequence[Optional[Sequence[int]]]] = None,
     ) -> GenerationOutput:
         """Samples ``max_generated_tokens`` tokens after each prompt.
 
@@ -413,6 +446,12 @@ class Generator:
             rng (Optional[torch.Generator]): on the model's device; the same seed gives the same
                 tokens. None uses the global generator. Unused when greedy.
             return_logits (bool): also return the ``[b, T, V]`` logits (debugging; memory heavy).
+            noise_keys (Optional[Sequence[int]]): one 64-bit key per row: the noise of response
+                position ``t`` is drawn from ``mix64(key, t)`` alone, not from ``rng``
+                (:mod:`~torchtune_ppo.rollout.speculative`).
+            drafts (Optional[Sequence[Optional[Sequence[int]]]]): with ``noise_keys`` and
+                ``draft_tokens``: each row's guess of its response (None or empty: none), checked
+                ``draft_tokens`` at a time; the response is the one the call without drafts samples.
 
         Returns:
             GenerationOutput: ``query_responses [b, P + T]``, ``logprobs [b, T]`` and
@@ -422,10 +461,23 @@ class Generator:
             ValueError: if ``prompts`` or ``prompt_lens`` has the wrong shape, dtype or values,
                 or ``rng`` the wrong device.
         """
-        with self.kv_cache.decoding():
-            self.prepare(prompts, prompt_lens, rng)
-            b = prompts.shape[0]
-            logits = self._decode_loop(b, rng, return_logits)
+        b = prompts.shape[0]
+        if noise_keys is not None and len(noise_keys) != b:
+            raise ValueError(f"generate: noise_keys has {len(noise_keys)} keys for {b} prompts.")
+        if drafts is not None and (noise_keys is None and not self.greedy or not self.draft_tokens
+                                   or len(drafts) != b):
+            raise ValueError("generate: drafts need noise_keys (unless greedy), a Generator with draft_tokens > 0 "
+                             f"(got {self.draft_tokens}) and one entry per prompt ({b}).")
+        self._keys = None if noise_keys is None else [int(k) for k in noise_keys] + [0] * (self.batch_size - b)
+        try:
+            with self.kv_cache.decoding():
+                self.prepare(prompts, prompt_lens, rng)
+                if drafts is not None and any(drafts) and not return_logits:
+                    logits = self._speculative_loop(b, [list(d or ()) for d in drafts])
+                else:
+                    logits = self._decode_loop(b, rng, return_logits)
+        finally:
+            self._keys = None
         _, responses = truncate_after_stop_token(self._tokens_out[:b], self._stop_ids, self.pad_id)
         query_responses = torch.cat([prompts.to(self.device, torch.long), responses], dim=1)
         return GenerationOutput(
@@ -451,11 +503,74 @@ class Generator:
                     torch.compiler.cudagraph_mark_step_begin()
                 token, logprob, logits = self._decode(
                     self.model, token[:, None], inp.decode_pos, inp.decode_mask,
-                    self.draw_noise(rng), **self.sampling,
+                    self.draw_noise(rng, position=i), **self.sampling,
                 )
                 inp.decode_pos.add_(1)
                 token = self._record(i, token, logprob, logits, logits_out)
         return logits_out
+
+    def _speculative_loop(self, b: int, drafts: List[List[int]]) -> None:
+        """Prefill, then verification forwards until every real row has ``T`` tokens or a stop
+        token: each row's chunk is its last token and the next ``draft_tokens`` of its draft while
+        the draft agrees with what the row sampled so far, and one token per row (``verify_one``)
+        once no row's draft does. Host syncs once per forward, to read what was accepted."""
+        P, T, B, K = self.max_prompt_len, self.max_generated_tokens, self.batch_size, self.draft_tokens + 1
+        stats, inp, stops = self.spec_stats, self.inputs, set(self.stop_token_ids)
+        self._tokens_out.fill_(self.pad_id)
+        self._logprobs_out.zero_()
+        token, logprob, _ = self.first_token(None)
+        self._record(0, token, logprob, None, None)
+        out = [[t] for t in token.tolist()]  # each row's tokens so far, on the host
+        drafts = drafts + [[]] * (B - b)
+        done = [r >= b or out[r][0] in stops for r in range(B)]
+        aligned = [bool(d) and d[:1] == out[r] for r, d in enumerate(drafts)]
+        stats.rows += b
+        stats.rows_with_draft += sum(1 for d in drafts[:b] if d)
+        prompt_cols = inp.decode_mask[:, 0].clone()  # [B, S] each row's real prompt columns
+        response_cols = self._cols >= P  # [S]
+        max_pos = self.model.max_seq_len - 1
+        prompt_lens = inp.prompt_lens.tolist()
+        while not all(done):
+            live = [r for r in range(B) if not done[r]]
+            width = K if any(aligned[r] for r in live) else 1
+            buf = self._spec[width]
+            n = [len(o) for o in out]  # the chunk starts with token n - 1, at column P + n - 1
+            chunk = [[o[-1]] + (drafts[r][n[r]:n[r] + width - 1] if aligned[r] else []) for r, o in enumerate(out)]
+            chunk = [c + [self.pad_id] * (width - len(c)) for c in chunk]
+            buf["tokens"].copy_(torch.tensor(chunk))
+            first = torch.tensor(n, device=self.device)[:, None] - 1 + torch.arange(width, device=self.device)  # [B, w]
+            torch.add(first, P, out=buf["cols"])
+            torch.add(first, inp.prompt_lens[:, None], out=buf["pos"]).clamp_(max=max_pos)
+            # a query at column c attends the prompt and the response columns up to c
+            last_col = (buf["cols"])[..., None]  # [B, w, 1]
+            torch.logical_and(response_cols, self._cols <= last_col, out=buf["mask"])
+            buf["mask"].logical_or_(prompt_cols[:, None, :])
+            if buf["noise"] is not None:
+                keyed_noise(buf["noise"], self._keys, [range(k, k + width) for k in n], self._key_rng)
+            with self.kv_cache.row_writes(buf["cols"]), self.kv_cache.chunk_attention():
+                verify_fn = self._steps.verify if width > 1 else self._steps.verify_one
+                winners, logprobs = verify_fn(self.model, buf["tokens"], buf["pos"], buf["mask"], buf["noise"],
+                                              **self.sampling)
+            won = winners.tolist()
+            stats.verify_forwards += width > 1
+            stats.decode_forwards += width == 1
+            for r in live:
+                kept = 1
+                if aligned[r]:
+                    offered = min(width - 1, len(drafts[r]) - n[r])
+                    while kept <= offered and won[r][kept - 1] == chunk[r][kept]:
+                        kept += 1
+                    stats.draft_tokens += offered
+                    stats.accepted += kept - 1
+                    aligned[r] = kept - 1 == offered and n[r] + kept < len(drafts[r]) \
+                        and won[r][kept - 1] == drafts[r][n[r] + kept - 1]
+                kept = min(kept, T - n[r])
+                new = won[r][:kept]
+                self._tokens_out[r, n[r]:n[r] + kept] = torch.tensor(new, device=self.device)
+                self._logprobs_out[r, n[r]:n[r] + kept] = logprobs[r, :kept]
+                out[r].extend(new)
+                stats.tokens += kept
+                done[r] = len(out[r]) >= T or any(t in stops for t in new)
 
     def first_token(self, rng: Optional[torch.Generator]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prefill of the prepared prompts (once per group with ``group_size`` > 1), filling

@@ -35,6 +35,7 @@ from torchtune_ppo.rlhf.packing import logprob_chunks, prefix_row_len, prompt_pr
 from torchtune_ppo.rlhf.segments import check_segment_models
 from torchtune_ppo.rollout.generation import Generator
 from torchtune_ppo.rollout.scoring import PackedScoring, packed_score_trajectory, plan_scoring
+from torchtune_ppo.rollout.speculative import Speculation
 from torchtune_ppo.rollout.turns import EpisodeOutput, EpisodeStats, TurnRunner, episode_texts
 
 
@@ -76,6 +77,9 @@ class Rollout:
             (:mod:`~torchtune_ppo.rlhf.segments`; ``segment_attention``); every scoring model
             must take layouts (:func:`~torchtune_ppo._patches.torchtune_modules.use_segment_attention`).
             Ignored with ``fused_rollout`` (padded rows).
+        speculation (Optional[Speculation]): position-keyed noise and drafts
+            (:mod:`~torchtune_ppo.rollout.speculative`); the generator needs ``draft_tokens`` > 0
+            for drafts to be checked. Not with ``turns`` or ``fused_rollout``.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class Rollout:
         turns: Optional[TurnRunner] = None,
         share_prefix: bool = False,
         segment_attention: bool = False,
+        speculation: Optional[Speculation] = None,
     ) -> None:
         if not isinstance(reward, (ModelReward, FunctionReward)):
             raise TypeError(f"Rollout: reward must be a ModelReward or a FunctionReward, got {type(reward).__name__}.")
@@ -115,9 +120,14 @@ class Rollout:
         if turns is not None and self._fused is not None:
             raise ValueError("compile.rollout unrolls a single-turn generation; multi-turn episodes (env) run "
                              "with compile.generate and compile.trajectory instead.")
+        if speculation is not None and (turns is not None or self._fused is not None):
+            raise ValueError("speculative rollouts run in the single-turn generator: not with multi-turn episodes "
+                             "(env) or compile.rollout.")
+        self.speculation = speculation
         self.recompute_logprobs = recompute_logprobs
         self.turns = turns
-        self.episode_metrics: Dict[str, float] = {}  # the last call's, with turns
+        # the last call's extra metrics: turns/* with an environment, spec/* with speculation
+        self.episode_metrics: Dict[str, float] = {}
         self._reference = reference or contextlib.nullcontext
         self._compiled_scoring = whole_scoring_models
         scoring = (ref_policy_model, value_model, self._reward_model, generator.model if recompute_logprobs else None)
@@ -166,7 +176,9 @@ class Rollout:
                 trajectories = [self._fused_chunk(p, lens, rng) for p, lens in chunks]
         else:
             with timer("generate"), distributed.gathered(self.generator.model):
-                if self.turns is None:
+                if self.speculation is not None:
+                    outputs = self._speculative(prompts, prompt_lens, rng, step)
+                elif self.turns is None:
                     outputs = [self.generator.generate(p, lens, rng=rng) for p, lens in chunks]
                 else:
                     seeds = self.turns.episode_seeds(step, len(prompt_lens)) if seeds is None else seeds
@@ -181,6 +193,23 @@ class Rollout:
                                 for out, (_, lens), chunk_scores, plan in zip(outputs, chunks, scores, plans)]
         distributed.reshard(*self._scoring_models)  # what eager scoring's forwards left gathered
         return concat_trajectories(trajectories)
+
+    def _speculative(self, prompts: torch.Tensor, prompt_lens: torch.Tensor, rng, step: int) -> list:
+        """Each chunk generated with position-keyed noise and the store's drafts; the responses
+        then become the drafts of the prompts' next visit."""
+        gen, spec, n = self.generator, self.speculation, self.generator.batch_size
+        keys, ids = spec.keys(prompts, prompt_lens, step)
+        drafts = spec.drafts(ids)
+        gen.spec_stats.reset()
+        outputs = []
+        for start in range(0, len(prompt_lens), n):
+            end = start + n
+            out = gen.generate(prompts[start:end], prompt_lens[start:end], rng=rng, noise_keys=keys[start:end],
+                               drafts=None if drafts is None or not gen.draft_tokens else drafts[start:end])
+            spec.record(ids[start:end], out.query_responses[:, self.settings.prompt_len:], self._valid_counts(out))
+            outputs.append(out)
+        self.episode_metrics = gen.spec_stats.metrics()
+        return outputs
 
     def _episodes(self, chunks, rng, references, seeds) -> List[EpisodeOutput]:
         """Multi-turn episodes of every chunk, and their metrics in ``episode_metrics``."""

@@ -1,0 +1,290 @@
+"""Exact speculative rollouts: a response sampled before for the same prompt is a draft that one
+teacher-forced forward checks, and the tokens kept are the ones plain decoding would sample.
+
+**Position-keyed noise.** The sampler is the exponential race (``argmax(p / E)``,
+:func:`~torchtune_ppo.rollout.sampling.sample`). With ``noise_keys`` the draws ``E`` of a row at
+response position ``t`` come from a generator seeded by ``mix(key, t)`` alone
+(:func:`keyed_noise`), not by how many draws came before. The token plain decoding picks at
+``t`` is then a function of that position's logits only, and a draft of ``k`` tokens is
+verified by one forward over them: at each position take the race's winner with that
+position's noise, keep it while it equals the draft's next token, and at the first difference
+the winner is the next token, as plain decoding would have sampled it. Whatever the draft, the
+response is plain decoding's, token for token, up to the float rounding of the logits (a chunk
+forward and a one-token forward round differently): a wrong draft costs time, never correctness.
+
+**The key of a row** (:func:`row_keys`): the run's seed, a round (the step by default, so
+each visit of a prompt draws afresh; ``noise: per_prompt`` keeps one round for the whole run,
+so an unchanged policy gives a prompt's last response back and the draft is accepted whole),
+the prompt's tokens (its identity, whatever its index or the process that holds it) and the
+row's sample index among the rows of the call with that prompt (a group's ``n`` samples).
+
+**Verification in the static KV cache** (:func:`verify`): every row writes its chunk at its own
+cache columns (``P + n - 1 ...``, :meth:`StaticKVCache.row_writes`), the columns its plain
+decoding would write, so a rejected column is simply written again by the next chunk; the mask
+opens a row's columns up to each query. Shapes are fixed by the chunk width, so a compiled
+region compiles once whatever the acceptance.
+
+**Drafts** (:class:`DraftStore`): the last response sampled for each (prompt, sample index),
+bounded in prompts, saved in the checkpoint.
+"""
+
+import collections
+import hashlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torchtune.modules import TransformerDecoder
+
+from torchtune_ppo._patches.torchtune_modules import final_hidden_states
+from torchtune_ppo.rollout.sampling import sample
+
+__all__ = ["DraftStore", "Speculation", "SpeculativeStats", "draft_tokens", "keyed_noise", "mix64", "row_keys", "verify", "verify_one"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix64(*values: int) -> int:
+    """A 64-bit hash of integers (splitmix64's finaliser over each value in turn)."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (int(v) & _MASK64)) & _MASK64
+        h = (h + 0x9E3779B97F4A7C15) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h
+
+
+def prompt_digest(tokens: Sequence[int]) -> int:
+    """A prompt's identity: 64 bits of the sha256 of its real tokens."""
+    data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens)
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+
+
+def row_keys(prompts: torch.Tensor, prompt_lens: torch.Tensor, *, seed: int, round: int
+             ) -> Tuple[List[int], List[Tuple[int, int]]]:
+    """Each row's noise key and its draft key ``(prompt digest, sample index)``.
+
+    The sample index counts the earlier rows of the call that hold the same prompt, so a group's
+    ``n`` copies get ``0 .. n-1`` wherever the group sits.
+    """
+    P = prompts.shape[1]
+    host, lens = prompts.tolist(), prompt_lens.tolist()
+    seen: Dict[int, int] = collections.Counter()
+    keys, ids = [], []
+    for row, n in zip(host, lens):
+        digest = prompt_digest(row[P - int(n):] if n else [])
+        index = seen[digest]
+        seen[digest] += 1
+        ids.append((digest, index))
+        keys.append(mix64(seed, round, digest, index))
+    return keys, ids
+
+
+def keyed_noise(out: torch.Tensor, keys: Sequence[int], positions: Sequence[Sequence[int]],
+                generator: torch.Generator) -> torch.Tensor:
+    """Fills ``out [B, K, W]`` (float32) with Exponential(1) draws: row ``b``, chunk column ``j``
+    from ``generator`` seeded with ``mix64(keys[b], positions[b][j])``.
+
+    ``generator`` is scratch (its state is overwritten), on ``out``'s device. The draws are
+    ``-log1p(-u)`` of float64 uniforms, as :func:`~torchtune_ppo.rollout.sampling.exponential_noise`
+    draws them on the CPU (0 only when ``u == 0``, 2**-53). torch's CPU generator keeps 32 bits
+    of a seed, its CUDA generator 64: the same key draws differently on the two devices.
+    """
+    u = torch.empty(out.shape, dtype=torch.float64, device=out.device)
+    for b, key in enumerate(keys):
+        for j, t in enumerate(positions[b]):
+            generator.manual_seed(mix64(key, t))
+            u[b, j].uniform_(generator=generator)
+    return out.copy_(torch.log1p(u.neg_(), out=u)).neg_()
+
+
+def verify(
+    model: TransformerDecoder,
+    tokens: torch.Tensor,
+    input_pos: torch.Tensor,
+    mask: torch.Tensor,
+    noise: Optional[torch.Tensor] = None,
+    *,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One forward over a chunk of ``K`` tokens per row and the race's winner at every position.
+
+    Run inside :meth:`StaticKVCache.row_writes` (each row's chunk goes to its own columns) and
+    :meth:`StaticKVCache.chunk_attention`.
+
+    Args:
+        model (TransformerDecoder): model with KV caches enabled.
+        tokens (torch.Tensor): ``[B, K]``: each row's last sampled token, then its draft.
+        input_pos (torch.Tensor): ``[B, K]`` position ids.
+        mask (torch.Tensor): ``[B, K, S]`` bool, the cache columns each chunk token attends.
+        noise (Optional[torch.Tensor]): ``[B, K, W]`` the Exponential(1) draws of the positions
+            the chunk's logits predict; None when greedy.
+        temperature, top_k, top_p: see :func:`~torchtune_ppo.rollout.sampling.sample`.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor]: ``[B, K]`` winners and their ``[B, K]`` logprobs.
+    """
+    B, K = tokens.shape
+    h = final_hidden_states(model, tokens, mask=mask, input_pos=input_pos)  # [B, K, D]
+    logits = model.output(h).float().flatten(0, 1)  # [B * K, V]
+    flat_noise = None if noise is None else noise.flatten(0, 1)
+    token, logprob = sample(logits, flat_noise, temperature=temperature, top_k=top_k, top_p=top_p)
+    return token.view(B, K), logprob.view(B, K)
+
+
+# The same body as verify, a separate function on purpose: compiled, each keeps its own graph
+# ([B, K] chunks and [B, 1] tokens), so neither recompiles for the other.
+def verify_one(
+    model: TransformerDecoder,
+    tokens: torch.Tensor,
+    input_pos: torch.Tensor,
+    mask: torch.Tensor,
+    noise: Optional[torch.Tensor] = None,
+    *,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify` of one token per row (``tokens [B, 1]``): a decode step at each row's own
+    cache column, once no row has a draft left."""
+    B, K = tokens.shape
+    h = final_hidden_states(model, tokens, mask=mask, input_pos=input_pos)  # [B, 1, D]
+    logits = model.output(h).float().flatten(0, 1)  # [B, V]
+    flat_noise = None if noise is None else noise.flatten(0, 1)
+    token, logprob = sample(logits, flat_noise, temperature=temperature, top_k=top_k, top_p=top_p)
+    return token.view(B, K), logprob.view(B, K)
+
+
+class SpeculativeStats:
+    """What speculation did in the calls since :meth:`reset`, for the metric log."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.draft_tokens = 0  # draft tokens offered to a verification forward
+        self.accepted = 0  # of them, kept
+        self.verify_forwards = 0  # chunk forwards (K > 1)
+        self.decode_forwards = 0  # one-token forwards
+        self.tokens = 0  # response tokens the forwards produced, rows still going
+        self.rows_with_draft = 0
+        self.rows = 0
+
+    def metrics(self) -> Dict[str, float]:
+        forwards = self.verify_forwards + self.decode_forwards
+        return {
+            "spec/acceptance": self.accepted / self.draft_tokens if self.draft_tokens else 0.0,
+            "spec/rows_with_draft": self.rows_with_draft / self.rows if self.rows else 0.0,
+            "spec/forwards": float(forwards),
+            "spec/verify_forwards": float(self.verify_forwards),
+            "spec/tokens_per_forward": self.tokens / forwards if forwards else 0.0,
+        }
+
+
+class DraftStore:
+    """The last response sampled for each (prompt, sample index): bounded in prompts (the oldest
+    entries go first), part of the checkpoint.
+
+    Args:
+        max_entries (int): (prompt, sample index) pairs kept.
+    """
+
+    def __init__(self, max_entries: int = 65536) -> None:
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"speculative.max_stored={max_entries!r} is invalid; expected an int >= 1.")
+        self.max_entries = max_entries
+        self._entries: "collections.OrderedDict[Tuple[int, int], torch.Tensor]" = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Tuple[int, int]) -> Optional[torch.Tensor]:
+        return self._entries.get(key)
+
+    def put(self, key: Tuple[int, int], response: torch.Tensor) -> None:
+        """Stores ``response`` (1-D, the valid tokens) as ``key``'s draft, the newest entry."""
+        self._entries.pop(key, None)
+        self._entries[key] = response.detach().to("cpu", torch.int32).clone()
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def state_dict(self) -> Dict[str, Any]:
+        keys = list(self._entries)
+        lens = [len(v) for v in self._entries.values()]
+        flat = torch.cat(list(self._entries.values())) if keys else torch.zeros(0, dtype=torch.int32)
+        signed = [[_signed(d), i] for d, i in keys]  # 64-bit digests as int64 (two's complement)
+        return {"keys": torch.tensor(signed, dtype=torch.long).view(-1, 2),
+                "lens": torch.tensor(lens, dtype=torch.long), "tokens": flat}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._entries.clear()
+        keys = state["keys"].tolist()
+        for key, tokens in zip(keys, state["tokens"].split(state["lens"].tolist())):
+            self._entries[(int(key[0]) & _MASK64, int(key[1]))] = tokens.clone()
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def draft_tokens(cfg: Any) -> int:
+    """The generator's ``draft_tokens`` for the config: ``speculative.max_draft_tokens`` when
+    drafts are on, else 0."""
+    block = cfg.speculative
+    return int(block.max_draft_tokens) if block.enabled and block.draft != "none" else 0
+
+
+class Speculation:
+    """What a :class:`~torchtune_ppo.rollout.rollout.Rollout` needs for speculative rollouts:
+    each row's noise key and draft, and the store of last responses.
+
+    Args:
+        seed (int): the run's seed.
+        draft (str): ``previous`` (the store's drafts) or ``none`` (keyed noise only).
+        noise (str): ``per_step`` (the round is the step) or ``per_prompt`` (round 0 always).
+        max_stored (int): the store's bound, see :class:`DraftStore`.
+    """
+
+    def __init__(self, *, seed: int, draft: str = "previous", noise: str = "per_step",
+                 max_stored: int = 65536) -> None:
+        if draft not in ("previous", "none") or noise not in ("per_step", "per_prompt"):
+            raise ValueError(f"Speculation: draft={draft!r} must be previous or none, noise={noise!r} "
+                             "per_step or per_prompt.")
+        self.seed, self.draft, self.noise = int(seed), draft, noise
+        self.store = DraftStore(max_stored)
+
+    @classmethod
+    def from_config(cls, cfg: Any, seed: int) -> Optional["Speculation"]:
+        """From the ``speculative`` block; None when it is off."""
+        block = cfg.speculative
+        if not block.enabled:
+            return None
+        return cls(seed=seed, draft=block.draft, noise=block.noise, max_stored=block.max_stored)
+
+    def keys(self, prompts: torch.Tensor, prompt_lens: torch.Tensor, step: int
+             ) -> Tuple[List[int], List[Tuple[int, int]]]:
+        """Noise keys and draft keys of a step's rows (the whole batch at once, so that repeated
+        prompts get their sample indices however the batch is chunked)."""
+        return row_keys(prompts, prompt_lens, seed=self.seed, round=step if self.noise == "per_step" else 0)
+
+    def drafts(self, ids: Sequence[Tuple[int, int]]) -> Optional[List[Optional[List[int]]]]:
+        if self.draft == "none":
+            return None
+        found = [self.store.get(i) for i in ids]
+        return [None if d is None else d.tolist() for d in found]
+
+    def record(self, ids: Sequence[Tuple[int, int]], responses: torch.Tensor, valid: torch.Tensor) -> None:
+        """Keeps each row's valid response tokens as its next draft."""
+        if self.draft == "none":
+            return
+        for i, row, n in zip(ids, responses.cpu(), valid.tolist()):
+            self.store.put(i, row[:n])
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"store": self.store.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.store.load_state_dict(state["store"])
