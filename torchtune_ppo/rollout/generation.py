@@ -476,6 +476,7 @@ class Generator:
                     logits = self._speculative_loop(b, [list(d or ()) for d in drafts])
                 else:
                     logits = self._decode_loop(b, rng, return_logits)
+                    self.spec_stats.count_plain(self._tokens_out[:b], self._stop_ids)
         finally:
             self._keys = None
         _, responses = truncate_after_stop_token(self._tokens_out[:b], self._stop_ids, self.pad_id)
@@ -530,6 +531,7 @@ class Generator:
         response_cols = self._cols >= P  # [S]
         max_pos = self.model.max_seq_len - 1
         prompt_lens = inp.prompt_lens.tolist()
+        forwards = 0
         while not all(done):
             live = [r for r in range(B) if not done[r]]
             width = K if any(aligned[r] for r in live) else 1
@@ -571,6 +573,9 @@ class Generator:
                 out[r].extend(new)
                 stats.tokens += kept
                 done[r] = len(out[r]) >= T or any(t in stops for t in new)
+            forwards += 1
+        # plain decoding would have run a decode step for every token of the longest real row after the first
+        stats.forwards_saved += max(len(o) for o in out[:b]) - 1 - forwards
 
     def first_token(self, rng: Optional[torch.Generator]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prefill of the prepared prompts (once per group with ``group_size`` > 1), filling

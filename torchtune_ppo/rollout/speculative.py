@@ -172,6 +172,16 @@ class SpeculativeStats:
         self.tokens = 0  # response tokens the forwards produced, rows still going
         self.rows_with_draft = 0
         self.rows = 0
+        self.forwards_saved = 0  # decode forwards plain decoding would have run, less those run
+
+    def count_plain(self, tokens: torch.Tensor, stop_ids: torch.Tensor) -> None:
+        """Counts a call of plain decoding: ``tokens [b, T]`` as sampled, stop tokens and after."""
+        stop = torch.isin(tokens, stop_ids)
+        lengths = torch.where(stop.any(-1), stop.float().argmax(-1) + 1, tokens.shape[1])  # through the stop
+        longest = int(lengths.max())
+        self.rows += tokens.shape[0]
+        self.decode_forwards += longest - 1
+        self.tokens += int(lengths.sum()) - tokens.shape[0]
 
     def metrics(self) -> Dict[str, float]:
         forwards = self.verify_forwards + self.decode_forwards
@@ -181,6 +191,7 @@ class SpeculativeStats:
             "spec/forwards": float(forwards),
             "spec/verify_forwards": float(self.verify_forwards),
             "spec/tokens_per_forward": self.tokens / forwards if forwards else 0.0,
+            "spec/forwards_saved": float(self.forwards_saved),
         }
 
 
