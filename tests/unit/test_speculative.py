@@ -148,6 +148,7 @@ def test_groups_share_the_prefill_and_keep_their_own_noise(model):
                            plain.query_responses)
 
 
+@pytest.mark.slow
 def test_compiled_verification_equals_eager_with_no_recompile(model):
     eager = generator(model, top_k=30)
     compiled = generator(model, top_k=30, steps=generation_steps(compiled=True))

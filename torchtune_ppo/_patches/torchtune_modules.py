@@ -339,6 +339,26 @@ def _hidden_states_through_root(
     return h.to(dtype)  # unembed casts to float32
 
 
+def verify_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    dropout_p: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    """:func:`decode_attention`'s multiply-and-sum for ``s`` queries per row written anywhere in
+    the cache (speculative verification, :meth:`StaticKVCache.row_writes`): the compiler reads the
+    cache in place, where SDPA would need the KV heads' expansion copied, the whole cache, every
+    layer, every call. q: [B, H, s, D], k/v: [B, H, S, D], mask: [B, s, S]."""
+    scale = q.shape[-1] ** -0.5
+    scores = (q.float()[:, :, :, None, :] * k.float()[:, :, None, :, :]).sum(-1) * scale  # [B, H, s, S]
+    scores = scores.masked_fill(~mask[:, None], -float("inf"))
+    weights = torch.softmax(scores, dim=-1)
+    out = (weights[..., None] * v.float()[:, :, None, :, :]).sum(-2)  # [B, H, s, D]
+    return out.to(q.dtype)
+
+
 def _update_at_row_columns(cache: nn.Module, cols: torch.Tensor, k_val: torch.Tensor,
                            v_val: torch.Tensor):
     """``KVCache.update`` writing row ``b``'s new columns at ``cols[b]``; ``cache_pos`` unused."""
@@ -460,15 +480,20 @@ class StaticKVCache:
     def row_writes(self, cols: torch.Tensor) -> Iterator[None]:
         """Inside :meth:`decoding`: each cache update writes row ``b``'s ``s`` new columns at
         ``cols[b]`` (``[B, s]``, read when the update runs, so one buffer serves every call),
-        where torchtune's update writes every row at the same columns. Speculative verification
+        where torchtune's update writes every row at the same columns, and attention calls see
+        every cache column as the mask says (:func:`verify_attention`). Speculative verification
         (:mod:`torchtune_ppo.rollout.speculative`) keeps each row at its own length this way."""
         for cache in self._caches:
             cache.update = functools.partial(_update_at_row_columns, cache, cols)
+        for attn in self._attn:
+            attn._attention_call = verify_attention
         try:
             yield
         finally:
             for cache in self._caches:
                 del cache.update  # back to the class's
+            for attn in self._attn:
+                attn._attention_call = decode_attention
 
     def copy_to_group(self, n: int, cols: int) -> None:
         """Copies the first ``cols`` columns of rows ``0, n, 2n, ...`` into the other ``n - 1``

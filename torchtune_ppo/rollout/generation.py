@@ -549,7 +549,7 @@ class Generator:
             buf["mask"].logical_or_(prompt_cols[:, None, :])
             if buf["noise"] is not None:
                 keyed_noise(buf["noise"], self._keys, [range(k, k + width) for k in n], self._key_rng)
-            with self.kv_cache.row_writes(buf["cols"]), self.kv_cache.chunk_attention():
+            with self.kv_cache.row_writes(buf["cols"]):
                 verify_fn = self._steps.verify if width > 1 else self._steps.verify_one
                 winners, logprobs = verify_fn(self.model, buf["tokens"], buf["pos"], buf["mask"], buf["noise"],
                                               **self.sampling)

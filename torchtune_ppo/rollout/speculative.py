@@ -112,8 +112,8 @@ def verify(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One forward over a chunk of ``K`` tokens per row and the race's winner at every position.
 
-    Run inside :meth:`StaticKVCache.row_writes` (each row's chunk goes to its own columns) and
-    :meth:`StaticKVCache.chunk_attention`.
+    Run inside :meth:`StaticKVCache.row_writes`: each row's chunk goes to its own columns, and
+    attention reads every column the mask opens.
 
     Args:
         model (TransformerDecoder): model with KV caches enabled.
