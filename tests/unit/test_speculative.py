@@ -230,3 +230,28 @@ def test_config_defaults_leave_speculation_off():
     cfg.speculative.enabled = True
     spec = Speculation.from_config(cfg, 0)
     assert (spec.draft, spec.noise, spec.store.max_entries) == ("previous", "per_step", 65536)
+
+
+def test_draft_lookup_picks_a_draft_up_again_after_one_different_token():
+    from torchtune_ppo.rollout.generation import draft_lookup
+
+    draft = [10, 11, 12, 13, 14, 15, 16, 17]
+    # sampled one extra token (99) after 12: the draft is found again after "12 13" -> 14 ...
+    assert draft_lookup(draft, [10, 11, 12, 99, 12, 13], 3) == [14, 15, 16]
+    assert draft_lookup(draft, [10, 11, 12, 13, 14], 2) == [15, 16]  # aligned: the same as by position
+    assert draft_lookup(draft, [10, 11, 98, 99], 3) == []  # the last tokens are nowhere in the draft
+    assert draft_lookup(draft, [16, 17], 3) == []  # found at the draft's end: nothing follows
+    # of two occurrences, the one nearest the row's own position
+    assert draft_lookup([1, 2, 7, 0, 0, 1, 2, 8], [5, 5, 5, 5, 1, 2], 1) == [8]
+
+
+def test_a_draft_one_token_out_of_step_is_still_accepted(model):
+    gen = generator(model, top_k=1)  # greedy: the shifted draft is right after the inserted token
+    prompts, lens = prompts_of(LENS)
+    plain = gen.generate(prompts, lens, noise_keys=None)
+    right = [r.tolist() for r in plain.query_responses[:, P:]]
+    shifted = [r[:4] + [r[4] + 1] + r[4:] for r in right]  # one token too many at position 4
+    gen.spec_stats.reset()
+    out = gen.generate(prompts, lens, drafts=shifted)
+    assert torch.equal(out.query_responses, plain.query_responses)
+    assert gen.spec_stats.metrics()["spec/acceptance"] > 0.5

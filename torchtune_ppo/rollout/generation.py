@@ -524,7 +524,7 @@ class Generator:
         out = [[t] for t in token.tolist()]  # each row's tokens so far, on the host
         drafts = drafts + [[]] * (B - b)
         done = [r >= b or out[r][0] in stops for r in range(B)]
-        aligned = [bool(d) and d[:1] == out[r] for r, d in enumerate(drafts)]
+        aligned = [bool(d) and d[:1] == out[r] for r, d in enumerate(drafts)]  # draft[:n] == what was sampled
         stats.rows += b
         stats.rows_with_draft += sum(1 for d in drafts[:b] if d)
         prompt_cols = inp.decode_mask[:, 0].clone()  # [B, S] each row's real prompt columns
@@ -534,10 +534,12 @@ class Generator:
         forwards = 0
         while not all(done):
             live = [r for r in range(B) if not done[r]]
-            width = K if any(aligned[r] for r in live) else 1
-            buf = self._spec[width]
             n = [len(o) for o in out]  # the chunk starts with token n - 1, at column P + n - 1
-            chunk = [[o[-1]] + (drafts[r][n[r]:n[r] + width - 1] if aligned[r] else []) for r, o in enumerate(out)]
+            guess = [[] if done[r] else drafts[r][n[r]:n[r] + K - 1] if aligned[r] else
+                     draft_lookup(drafts[r], out[r], K - 1) for r in range(B)]
+            width = K if any(guess) else 1
+            buf = self._spec[width]
+            chunk = [[o[-1]] + guess[r][:width - 1] for r, o in enumerate(out)]
             chunk = [c + [self.pad_id] * (width - len(c)) for c in chunk]
             buf["tokens"].copy_(torch.tensor(chunk))
             first = torch.tensor(n, device=self.device)[:, None] - 1 + torch.arange(width, device=self.device)  # [B, w]
@@ -557,13 +559,12 @@ class Generator:
             stats.verify_forwards += width > 1
             stats.decode_forwards += width == 1
             for r in live:
-                kept = 1
+                kept, offered = 1, len(guess[r]) if width > 1 else 0
+                while kept <= offered and won[r][kept - 1] == chunk[r][kept]:
+                    kept += 1
+                stats.draft_tokens += offered
+                stats.accepted += kept - 1
                 if aligned[r]:
-                    offered = min(width - 1, len(drafts[r]) - n[r])
-                    while kept <= offered and won[r][kept - 1] == chunk[r][kept]:
-                        kept += 1
-                    stats.draft_tokens += offered
-                    stats.accepted += kept - 1
                     aligned[r] = kept - 1 == offered and n[r] + kept < len(drafts[r]) \
                         and won[r][kept - 1] == drafts[r][n[r] + kept - 1]
                 kept = min(kept, T - n[r])
@@ -605,6 +606,22 @@ class Generator:
     def _all_done(self, b: int, i: int) -> bool:
         """Whether each real row has a stop token among its first ``i`` tokens (host sync)."""
         return bool(torch.isin(self._tokens_out[:b, :i], self._stop_ids).any(-1).all())
+
+
+def draft_lookup(draft: List[int], sampled: List[int], k: int, match: Sequence[int] = (3, 2)) -> List[int]:
+    """Up to ``k`` tokens of ``draft`` that follow its occurrence of the last tokens ``sampled``
+    (the last 3, else the last 2; the occurrence nearest the row's own position): a draft that
+    one different token put out of step with the row is picked up again where it agrees."""
+    n = len(sampled)
+    for m in match:
+        if n < m:
+            continue
+        tail = sampled[-m:]
+        ends = [j + m for j in range(len(draft) - m) if draft[j:j + m] == tail]  # ends before the draft's end
+        if ends:
+            end = min(ends, key=lambda e: abs(e - n))
+            return draft[end:end + k]
+    return []
 
 
 # Argument checks, kept out of the class so that it reads as what it does.
