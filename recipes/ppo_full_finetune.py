@@ -39,7 +39,7 @@ from torchtune_ppo.rewards import FunctionReward
 from torchtune_ppo.rewards.model import ModelReward
 from torchtune_ppo.rlhf import ScoringSettings, repeat_prompts
 from torchtune_ppo.rlhf.correction import mismatch_metrics
-from torchtune_ppo.rollout import Generator, Rollout, Speculation, TurnRunner, cache_tokens, draft_tokens
+from torchtune_ppo.rollout import Generator, Rollout, Speculation, TurnRunner, cache_tokens, speculative_args
 from torchtune_ppo.run.guards import SkippedSteps, StepInProgress, evaluate_when_due, on_step_failure
 from torchtune_ppo.run.interrupt import resume_command, stop_on_signals
 from torchtune_ppo.run.metrics import PhaseTimer, metric_logger, step_metrics
@@ -134,7 +134,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             steps=regions.generation,  # compiled or eager, as compile.generate says
             group_size=self._group,  # n: a group's prompt computed once in generation and scoring
             dtype=self._dtype, device=self._device, cache_tokens=cache_tokens(cfg),  # more with turns
-            draft_tokens=draft_tokens(cfg))  # speculative rollouts: a draft checked in one forward
+            **speculative_args(cfg))  # speculative rollouts: a draft checked in one forward
         reward = (ModelReward(self._models.reward) if self._models.reward is not None
                   else FunctionReward(config.instantiate(cfg.reward), self._tokenizer))
         settings = ScoringSettings(prompt_len=self._prompt_len, pad_id=self._tokenizer.pad_id,

@@ -75,6 +75,7 @@ def main() -> None:
     p.add_argument("-T", "--max-generated-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--draft-tokens", type=int, default=8)
+    p.add_argument("--min-draft-rows", type=float, default=0.5, help="as speculative.min_draft_rows")
     p.add_argument("--noise", choices=["per_step", "per_prompt"], default="per_step")
     p.add_argument("--drift", type=float, default=0.0)
     p.add_argument("--rounds", type=int, default=8, help="measured rounds, after one warm-up round")
@@ -94,7 +95,8 @@ def main() -> None:
     P, T, B = prompts.shape[1], args.max_generated_tokens, args.batch
     steps = generation_steps(compiled=not args.eager)
     gen = Generator(model, batch_size=B, max_prompt_len=P, max_generated_tokens=T, pad_id=tokenizer.pad_id,
-                    stop_token_ids=stops, temperature=args.temperature, steps=steps, draft_tokens=args.draft_tokens)
+                    stop_token_ids=stops, temperature=args.temperature, steps=steps, draft_tokens=args.draft_tokens,
+                    min_draft_rows=args.min_draft_rows)
     g = torch.Generator().manual_seed(0)
     scales = {n: w.float().std().item() for n, w in model.named_parameters()}
 

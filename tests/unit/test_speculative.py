@@ -135,6 +135,24 @@ def test_every_draft_gives_plain_decodings_response(model, sampling):
             assert metrics["spec/acceptance"] == 0.0, metrics
 
 
+def test_rows_without_a_draft_keep_the_forwards_narrow_under_min_draft_rows(model):
+    prompts, lens = prompts_of(LENS)
+    keys, _ = row_keys(prompts, lens, seed=1, round=0)
+    counts = {}
+    for share in (0.0, 0.5, 1.0):
+        gen = generator(model, top_k=20, min_draft_rows=share)
+        plain = gen.generate(prompts, lens, noise_keys=keys)
+        right = [r.tolist() for r in plain.query_responses[:, P:]]
+        gen.spec_stats.reset()
+        out = gen.generate(prompts, lens, noise_keys=keys, drafts=[right[0], right[1], None, None])
+        assert torch.equal(out.query_responses, plain.query_responses)
+        counts[share] = gen.spec_stats.verify_forwards
+    # two of four rows have drafts: wide forwards at 0 and 0.5, none at 1
+    assert counts[0.0] > 0 and counts[0.5] > 0 and counts[1.0] == 0, counts
+    with pytest.raises(ValueError, match="min_draft_rows=1.5"):
+        generator(model, min_draft_rows=1.5)
+
+
 def test_groups_share_the_prefill_and_keep_their_own_noise(model):
     gen = generator(model, group_size=2, top_k=30)
     prompts, lens = prompts_of([4, 7])
@@ -230,6 +248,10 @@ def test_config_defaults_leave_speculation_off():
     cfg.speculative.enabled = True
     spec = Speculation.from_config(cfg, 0)
     assert (spec.draft, spec.noise, spec.store.max_entries) == ("previous", "per_step", 65536)
+    from torchtune_ppo.rollout import speculative_args
+    assert speculative_args(cfg) == dict(draft_tokens=8, min_draft_rows=0.5)
+    cfg.speculative.draft = "none"
+    assert speculative_args(cfg)["draft_tokens"] == 0
 
 
 def test_draft_lookup_picks_a_draft_up_again_after_one_different_token():

@@ -354,6 +354,11 @@ SPECULATIVE = Block(
             "`previous`: the last response sampled for the same prompt and sample index is the draft; `none`: "
             "no drafts (plain decoding with position-keyed noise)"),
         Key("max_draft_tokens", Count(), 8, "draft tokens one verification forward checks per row"),
+        Key("min_draft_rows", Number(ge=0, le=1), 0.5,
+            "verification forwards check `max_draft_tokens` positions only while at least this share of the rows "
+            "still generating has draft tokens to offer, else one position: a wide forward costs each row the "
+            "same, so on hardware where it costs more than a narrow one (a CPU) rows without a draft pay for the "
+            "others; 0: wide whenever any row has a draft"),
         Key("noise", Choice(options=SPECULATIVE_NOISE), "per_step",
             "`per_step`: the round is the step, so every visit of a prompt draws fresh noise; `per_prompt`: one "
             "round for the run, so a prompt's visits share their noise (an unchanged policy samples its last "

@@ -11,9 +11,9 @@
 
 from torchtune_ppo.rollout.generation import Generator  # noqa: F401
 from torchtune_ppo.rollout.rollout import Rollout  # noqa: F401
-from torchtune_ppo.rollout.speculative import Speculation, draft_tokens  # noqa: F401
+from torchtune_ppo.rollout.speculative import Speculation, speculative_args  # noqa: F401
 from torchtune_ppo.rollout.turns import TurnRunner, cache_tokens  # noqa: F401
 from torchtune_ppo.rlhf import ScoringSettings, Trajectory  # noqa: F401
 
 __all__ = ["Generator", "Rollout", "ScoringSettings", "Speculation", "Trajectory", "TurnRunner", "cache_tokens",
-           "draft_tokens"]
+           "speculative_args"]

@@ -283,6 +283,10 @@ class Generator:
         draft_tokens (int): the most draft tokens one verification forward checks
             (:mod:`~torchtune_ppo.rollout.speculative`); 0: no speculation. The cache takes
             ``draft_tokens`` more columns.
+        min_draft_rows (float): a verification forward checks ``draft_tokens`` positions only
+            while at least this share of the rows still going has draft tokens to offer (and at
+            least one does), else one position: where a wider forward costs more than a narrow
+            one (a CPU), rows without a draft should not pay for it.
 
     Raises:
         ValueError: on an invalid argument, naming it and its value.
@@ -307,6 +311,7 @@ class Generator:
         device: Optional[torch.device] = None,
         cache_tokens: Optional[int] = None,
         draft_tokens: int = 0,
+        min_draft_rows: float = 0.0,
     ) -> None:
         param = next(model.parameters())
         # cache columns after the prompt: T, or more for multi-turn episodes (rollout/turns.py)
@@ -314,6 +319,9 @@ class Generator:
         if not isinstance(draft_tokens, int) or draft_tokens < 0:
             raise ValueError(f"Generator: draft_tokens={draft_tokens!r} is invalid; expected an int >= 0.")
         self.draft_tokens = draft_tokens
+        if not isinstance(min_draft_rows, (int, float)) or not 0 <= min_draft_rows <= 1:
+            raise ValueError(f"Generator: min_draft_rows={min_draft_rows!r} is invalid; expected a number in [0, 1].")
+        self.min_draft_rows = float(min_draft_rows)
         self.cache_tokens += draft_tokens  # a finished row's chunk still writes past its last token
         self.model = model
         self.batch_size, self.max_prompt_len = batch_size, max_prompt_len
@@ -537,7 +545,8 @@ class Generator:
             n = [len(o) for o in out]  # the chunk starts with token n - 1, at column P + n - 1
             guess = [[] if done[r] else drafts[r][n[r]:n[r] + K - 1] if aligned[r] else
                      draft_lookup(drafts[r], out[r], K - 1) for r in range(B)]
-            width = K if any(guess) else 1
+            guessing = sum(1 for r in live if guess[r])
+            width = K if guessing and guessing >= self.min_draft_rows * len(live) else 1
             buf = self._spec[width]
             chunk = [[o[-1]] + guess[r][:width - 1] for r, o in enumerate(out)]
             chunk = [c + [self.pad_id] * (width - len(c)) for c in chunk]

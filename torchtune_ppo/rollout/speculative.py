@@ -38,7 +38,7 @@ from torchtune.modules import TransformerDecoder
 from torchtune_ppo._patches.torchtune_modules import final_hidden_states
 from torchtune_ppo.rollout.sampling import sample
 
-__all__ = ["DraftStore", "Speculation", "SpeculativeStats", "draft_tokens", "keyed_noise", "mix64", "row_keys", "verify", "verify_one"]
+__all__ = ["DraftStore", "Speculation", "SpeculativeStats", "speculative_args", "keyed_noise", "mix64", "row_keys", "verify", "verify_one"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -241,11 +241,12 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def draft_tokens(cfg: Any) -> int:
-    """The generator's ``draft_tokens`` for the config: ``speculative.max_draft_tokens`` when
-    drafts are on, else 0."""
+def speculative_args(cfg: Any) -> Dict[str, Any]:
+    """The generator's ``draft_tokens`` (``speculative.max_draft_tokens`` when drafts are on,
+    else 0) and ``min_draft_rows`` for the config."""
     block = cfg.speculative
-    return int(block.max_draft_tokens) if block.enabled and block.draft != "none" else 0
+    on = block.enabled and block.draft != "none"
+    return dict(draft_tokens=int(block.max_draft_tokens) if on else 0, min_draft_rows=float(block.min_draft_rows))
 
 
 class Speculation:
