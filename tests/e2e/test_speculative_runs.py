@@ -63,3 +63,16 @@ def test_a_resumed_run_keeps_its_drafts(runs, tmp_path):
         for key in (*SAME, *CLOSE, "spec/acceptance", "spec/forwards"):
             assert got[key] == want[key], key
 
+
+
+def test_compiled_speculation_compiles_in_the_first_step_and_matches_eager(runs, tmp_path):
+    """compile=True (every region, one layer compiled per use): the first step has no drafts, yet
+    both verification regions compile in it; the steps with drafts compile nothing."""
+    from conftest import assert_compiled_matches_eager
+
+    _, data, plain, _ = runs
+    compiled_spec = [s for s in SPEC if s != "compile=False"]
+    _, rows = run_recipe(tmp_path / "compiled", *compiled_spec, data, "compile=True")
+    assert [r["recompiles"] for r in rows] == [0] * STEPS
+    assert all(r["spec/verify_forwards"] > 0 for r in rows[1:])
+    assert_compiled_matches_eager(rows, plain, STEPS)

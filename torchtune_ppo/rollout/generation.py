@@ -381,6 +381,7 @@ class Generator:
         self._keys: Optional[List[int]] = None
         self._key_rng = torch.Generator(device=dev)
         self.spec_stats = SpeculativeStats()
+        self._verification_ran = False
         self._spec = {width: dict(tokens=torch.empty(B, width, dtype=torch.long, device=dev),
                                   pos=torch.empty(B, width, dtype=torch.long, device=dev),
                                   mask=torch.empty(B, width, S, dtype=torch.bool, device=dev),
@@ -485,6 +486,8 @@ class Generator:
                 else:
                     logits = self._decode_loop(b, rng, return_logits)
                     self.spec_stats.count_plain(self._tokens_out[:b], self._stop_ids)
+                if drafts is not None and self.draft_tokens and not self._verification_ran:
+                    self._run_verification_once()  # both widths compiled in this call, not a later one
         finally:
             self._keys = None
         _, responses = truncate_after_stop_token(self._tokens_out[:b], self._stop_ids, self.pad_id)
@@ -586,6 +589,23 @@ class Generator:
             forwards += 1
         # plain decoding would have run a decode step for every token of the longest real row after the first
         stats.forwards_saved += max(len(o) for o in out[:b]) - 1 - forwards
+
+    def _run_verification_once(self) -> None:
+        """Runs both verification regions once on filler (after a call's responses are out), so
+        that a run whose first step has no drafts compiles them in that step, not in the first
+        step that has drafts. What they write lands past the responses and is never read."""
+        P, T = self.max_prompt_len, self.max_generated_tokens
+        for width, buf in self._spec.items():
+            buf["tokens"].fill_(self.pad_id)
+            buf["cols"].copy_(torch.arange(width, device=self.device) + (P + T - 1))  # [B, w]
+            buf["pos"].copy_(buf["cols"] - P).clamp_(max=self.model.max_seq_len - 1)
+            buf["mask"].copy_(self._cols <= buf["cols"][..., None])
+            if buf["noise"] is not None:
+                buf["noise"].fill_(1.0)
+            verify_fn = self._steps.verify if width > 1 else self._steps.verify_one
+            with self.kv_cache.row_writes(buf["cols"]):
+                verify_fn(self.model, buf["tokens"], buf["pos"], buf["mask"], buf["noise"], **self.sampling)
+        self._verification_ran = True
 
     def first_token(self, rng: Optional[torch.Generator]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prefill of the prepared prompts (once per group with ``group_size`` > 1), filling
