@@ -523,9 +523,11 @@ class Generator:
 
     def _speculative_loop(self, b: int, drafts: List[List[int]]) -> None:
         """Prefill, then verification forwards until every real row has ``T`` tokens or a stop
-        token: each row's chunk is its last token and the next ``draft_tokens`` of its draft while
-        the draft agrees with what the row sampled so far, and one token per row (``verify_one``)
-        once no row's draft does. Host syncs once per forward, to read what was accepted."""
+        token: each row's chunk is its last token and its guess of the next ``draft_tokens``: its
+        draft's next tokens while the draft agrees with what the row sampled so far, else what
+        follows the row's last tokens in its draft (:func:`draft_lookup`). The forward is that wide
+        while at least ``min_draft_rows`` of the rows still going have a guess, else one token per
+        row (``verify_one``). Host syncs once per forward, to read what was accepted."""
         P, T, B, K = self.max_prompt_len, self.max_generated_tokens, self.batch_size, self.draft_tokens + 1
         stats, inp, stops = self.spec_stats, self.inputs, set(self.stop_token_ids)
         self._tokens_out.fill_(self.pad_id)
@@ -541,7 +543,6 @@ class Generator:
         prompt_cols = inp.decode_mask[:, 0].clone()  # [B, S] each row's real prompt columns
         response_cols = self._cols >= P  # [S]
         max_pos = self.model.max_seq_len - 1
-        prompt_lens = inp.prompt_lens.tolist()
         forwards = 0
         while not all(done):
             live = [r for r in range(B) if not done[r]]
@@ -558,8 +559,7 @@ class Generator:
             torch.add(first, P, out=buf["cols"])
             torch.add(first, inp.prompt_lens[:, None], out=buf["pos"]).clamp_(max=max_pos)
             # a query at column c attends the prompt and the response columns up to c
-            last_col = (buf["cols"])[..., None]  # [B, w, 1]
-            torch.logical_and(response_cols, self._cols <= last_col, out=buf["mask"])
+            torch.logical_and(response_cols, self._cols <= buf["cols"][..., None], out=buf["mask"])
             buf["mask"].logical_or_(prompt_cols[:, None, :])
             if buf["noise"] is not None:
                 keyed_noise(buf["noise"], self._keys, [range(k, k + width) for k in n], self._key_rng)
