@@ -76,3 +76,19 @@ def test_compiled_speculation_compiles_in_the_first_step_and_matches_eager(runs,
     assert [r["recompiles"] for r in rows] == [0] * STEPS
     assert all(r["spec/verify_forwards"] > 0 for r in rows[1:])
     assert_compiled_matches_eager(rows, plain, STEPS)
+
+
+def test_groups_get_their_own_drafts(runs, tmp_path):
+    """GRPO with 2 samples a prompt: each sample's draft is its own last response (sample index in
+    the key), and the drafted run logs the plain one's scores and group statistics."""
+    root, data, _, _ = runs
+    grpo = ["advantage_estimator=grpo", "num_samples_per_prompt=2"]
+    _, plain = run_recipe(tmp_path / "plain", *SPEC, data, *grpo, "speculative.draft=none")
+    _, drafted = run_recipe(tmp_path / "drafted", *SPEC, data, *grpo)
+    for step in range(STEPS):
+        for key in (*SAME, "group_score_std", "zero_std_groups"):
+            assert drafted[step][key] == plain[step][key], (step, key)
+        assert drafted[step]["loss"] == pytest.approx(plain[step]["loss"], rel=1e-4, abs=1e-6)
+    assert all(r["spec/acceptance"] > 0 for r in drafted[1:])
+    # the two samples of a prompt are two draws (their keys differ), so some group's scores differ
+    assert any(r["group_score_std"] > 0 for r in plain)
