@@ -19,6 +19,12 @@ each, and the response lengths.
     python benchmarks/generation/bench_speculative.py                          # long answers, T=128
     python benchmarks/generation/bench_speculative.py --noise per_prompt --drift 1e-3 --out spec.json
     python benchmarks/generation/bench_speculative.py --workload arithmetic -T 12    # the config's answers
+    python benchmarks/generation/bench_speculative.py --keyed-overhead -T 64        # keyed noise, no drafts
+
+``--keyed-overhead`` measures what position-keyed noise costs when there is no draft (a run's
+first epoch): plain decoding drawing its noise from the run's generator (``rng``) against the
+same with ``noise_keys`` (``keyed``), no stop tokens so that both run all ``T`` steps, the same
+rounds and statistics.
 
 Prepare the model first (``python tools/prepare_smollm2.py``). The prompts are the SmolLM2 chat
 arithmetic config's (``recipes/configs/smollm2/135M_ppo_arithmetic.yaml``): ``--workload long``
@@ -83,6 +89,7 @@ def main() -> None:
     p.add_argument("--scratch", default="/tmp/bench_speculative", help="the checkpointer's output_dir (unused)")
     p.add_argument("--eager", action="store_true", help="eager steps instead of compiled")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--keyed-overhead", action="store_true", help="rng against keyed noise, no drafts")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -92,6 +99,8 @@ def main() -> None:
     from torchtune_ppo.rollout.speculative import row_keys
 
     model, prompts, lens, stops, tokenizer = load(args)
+    if args.keyed_overhead:
+        return keyed_overhead(args, model, prompts, lens, tokenizer)
     P, T, B = prompts.shape[1], args.max_generated_tokens, args.batch
     steps = generation_steps(compiled=not args.eager)
     gen = Generator(model, batch_size=B, max_prompt_len=P, max_generated_tokens=T, pad_id=tokenizer.pad_id,
@@ -161,6 +170,36 @@ def main() -> None:
           f"drafted {summary['drafted_s']:.2f}s")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(summary=summary, rows=rows), indent=1))
+
+
+def keyed_overhead(args, model, prompts, lens, tokenizer) -> None:
+    from torchtune_ppo.compile import generation_steps
+    from torchtune_ppo.rollout.generation import Generator
+    from torchtune_ppo.rollout.speculative import row_keys
+
+    P, T, B = prompts.shape[1], args.max_generated_tokens, args.batch
+    gen = Generator(model, batch_size=B, max_prompt_len=P, max_generated_tokens=T, pad_id=tokenizer.pad_id,
+                    stop_token_ids=[], temperature=args.temperature, steps=generation_steps(compiled=not args.eager))
+    rng = torch.Generator().manual_seed(0)
+    rows = []
+    for rnd in range(args.rounds + 1):
+        keys, _ = row_keys(prompts, lens, seed=0, round=rnd)
+        times = {}
+        for name in (["rng", "keyed"] if rnd % 2 == 0 else ["keyed", "rng"]):
+            start = time.perf_counter()
+            gen.generate(prompts, lens, rng=rng, noise_keys=keys if name == "keyed" else None)
+            times[name] = time.perf_counter() - start
+        rows.append(dict(round=rnd, **times))
+        print(json.dumps({k: round(v, 4) for k, v in rows[-1].items()}), flush=True)
+    measured = rows[1:]
+    ratio = summarize_ratios([r["rng"] / r["keyed"] for r in measured])
+    print(f"rng / keyed generate (no drafts, {T} steps): {format_ratio(ratio, spread=True)} over {len(measured)} "
+          f"rounds; rng {statistics.median(r['rng'] for r in measured):.2f}s, keyed "
+          f"{statistics.median(r['keyed'] for r in measured):.2f}s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(args={k: str(v) for k, v in vars(args).items()},
+                                                  machine=machine_info(ROOT, torch.get_num_threads()),
+                                                  ratio=ratio, rows=rows), indent=1))
 
 
 if __name__ == "__main__":
