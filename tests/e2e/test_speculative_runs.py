@@ -92,3 +92,12 @@ def test_groups_get_their_own_drafts(runs, tmp_path):
     assert all(r["spec/acceptance"] > 0 for r in drafted[1:])
     # the two samples of a prompt are two draws (their keys differ), so some group's scores differ
     assert any(r["group_score_std"] > 0 for r in plain)
+
+
+def test_prompt_lookup_drafts_change_how_not_what(runs, tmp_path):
+    _, data, plain, _ = runs
+    _, rows = run_recipe(tmp_path / "ngram", *SPEC, data, "speculative.draft=ngram")
+    for step in range(STEPS):
+        for key in SAME:
+            assert rows[step][key] == plain[step][key], (step, key)
+        assert rows[step]["loss"] == pytest.approx(plain[step]["loss"], rel=1e-4, abs=1e-6)

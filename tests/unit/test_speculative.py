@@ -231,7 +231,7 @@ ROOT = __import__("pathlib").Path(__file__).parents[2]
 @pytest.mark.parametrize("config, overrides, pattern", [
     ("ppo_tiny_tools.yaml", [], r"speculative.enabled=True with env \(multi-turn episodes\).*speculative.enabled=False"),
     ("ppo_tiny_sentiment.yaml", ["compile.rollout=True"], r"speculative.enabled=True with compile.rollout=True"),
-    ("ppo_tiny_sentiment.yaml", ["speculative.draft=last"], r"speculative.draft must be one of \['previous', 'none'\]"),
+    ("ppo_tiny_sentiment.yaml", ["speculative.draft=last"], r"speculative.draft must be one of \['previous', 'ngram', 'none'\]"),
     ("ppo_tiny_sentiment.yaml", ["speculative.max_draft_tokens=0"], r"speculative.max_draft_tokens"),
     ("ppo_tiny_sentiment.yaml", ["speculative.drafts=3"], r"speculative.*unknown.*drafts|drafts.*speculative"),
 ])
@@ -277,3 +277,27 @@ def test_a_draft_one_token_out_of_step_is_still_accepted(model):
     out = gen.generate(prompts, lens, drafts=shifted)
     assert torch.equal(out.query_responses, plain.query_responses)
     assert gen.spec_stats.metrics()["spec/acceptance"] > 0.5
+
+
+@pytest.mark.parametrize("sampling", [dict(top_k=1), dict(top_k=20), dict(temperature=0.7, top_p=0.9)],
+                         ids=["greedy", "top_k", "top_p"])
+def test_prompt_lookup_gives_plain_decodings_response(model, sampling):
+    gen = generator(model, **sampling)
+    prompts, lens = prompts_of(LENS)
+    prompts[:, -4:] = prompts[:, -8:-4]  # each prompt ends with its own 4 tokens repeated: something to look up
+    keys, _ = row_keys(prompts, lens, seed=3, round=0)
+    plain = gen.generate(prompts, lens, noise_keys=keys)
+    gen.spec_stats.reset()
+    out = gen.generate(prompts, lens, noise_keys=keys, drafts=[None] * 4, prompt_lookup=True)
+    assert torch.equal(out.query_responses, plain.query_responses)
+    assert gen.spec_stats.draft_tokens > 0  # guesses were offered
+    if sampling == dict(top_k=1):  # greedy decoding of this model cycles: its own tokens come back
+        assert gen.spec_stats.metrics()["spec/acceptance"] > 0.3
+
+
+def test_ngram_speculation_passes_no_stored_drafts():
+    spec = Speculation(seed=0, draft="ngram")
+    prompts, lens = prompts_of(LENS)
+    _, ids = spec.keys(prompts, lens, step=0)
+    spec.record(ids, torch.zeros(4, T, dtype=torch.long), torch.full((4,), 3))
+    assert spec.drafts(ids) == [None] * 4 and len(spec.store) == 0

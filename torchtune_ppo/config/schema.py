@@ -341,7 +341,7 @@ LOSS = Block(
     or_else=" or a `_component_: torchtune.rlhf.loss.PPOLoss` block",
 )
 
-SPECULATIVE_DRAFTS = ("previous", "none")
+SPECULATIVE_DRAFTS = ("previous", "ngram", "none")
 SPECULATIVE_NOISE = ("per_step", "per_prompt")
 SPECULATIVE = Block(
     keys=(
@@ -351,8 +351,9 @@ SPECULATIVE = Block(
             "forward and the response is still the one plain decoding samples (see [Speculative rollouts]"
             "(speculative.md)). Not with `env` or `compile.rollout`"),
         Key("draft", Choice(options=SPECULATIVE_DRAFTS), "previous",
-            "`previous`: the last response sampled for the same prompt and sample index is the draft; `none`: "
-            "no drafts (plain decoding with position-keyed noise)"),
+            "`previous`: the last response sampled for the same prompt and sample index is the draft; `ngram`: "
+            "prompt lookup, the tokens that followed the row's last tokens earlier in its prompt and response; "
+            "`none`: no drafts (plain decoding with position-keyed noise)"),
         Key("max_draft_tokens", Count(), 8, "draft tokens one verification forward checks per row"),
         Key("min_draft_rows", Number(ge=0, le=1), 0.5,
             "verification forwards check `max_draft_tokens` positions only while at least this share of the rows "

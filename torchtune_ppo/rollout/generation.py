@@ -445,6 +445,7 @@ class Generator:
         return_logits: bool = False,
         noise_keys: Optional[Sequence[int]] = None,
         drafts: Optional[Sequence[Optional[Sequence[int]]]] = None,
+        prompt_lookup: bool = False,
     ) -> GenerationOutput:
         """Samples ``max_generated_tokens`` tokens after each prompt.
 
@@ -461,6 +462,9 @@ class Generator:
             drafts (Optional[Sequence[Optional[Sequence[int]]]]): with ``noise_keys`` and
                 ``draft_tokens``: each row's guess of its response (None or empty: none), checked
                 ``draft_tokens`` at a time; the response is the one the call without drafts samples.
+            prompt_lookup (bool): with ``drafts`` (its rows may all be None): where a row has no
+                guess from its draft, the tokens that followed the row's last sampled tokens
+                earlier in its prompt or response are the guess (prompt lookup).
 
         Returns:
             GenerationOutput: ``query_responses [b, P + T]``, ``logprobs [b, T]`` and
@@ -481,8 +485,8 @@ class Generator:
         try:
             with self.kv_cache.decoding():
                 self.prepare(prompts, prompt_lens, rng)
-                if drafts is not None and any(drafts) and not return_logits:
-                    logits = self._speculative_loop(b, [list(d or ()) for d in drafts])
+                if drafts is not None and (any(drafts) or prompt_lookup) and not return_logits:
+                    logits = self._speculative_loop(b, [list(d or ()) for d in drafts], prompt_lookup)
                 else:
                     logits = self._decode_loop(b, rng, return_logits)
                     self.spec_stats.count_plain(self._tokens_out[:b], self._stop_ids)
@@ -521,7 +525,7 @@ class Generator:
                 token = self._record(i, token, logprob, logits, logits_out)
         return logits_out
 
-    def _speculative_loop(self, b: int, drafts: List[List[int]]) -> None:
+    def _speculative_loop(self, b: int, drafts: List[List[int]], prompt_lookup: bool = False) -> None:
         """Prefill, then verification forwards until every real row has ``T`` tokens or a stop
         token: each row's chunk is its last token and its guess of the next ``draft_tokens``: its
         draft's next tokens while the draft agrees with what the row sampled so far, else what
@@ -536,6 +540,8 @@ class Generator:
         self._record(0, token, logprob, None, None)
         out = [[t] for t in token.tolist()]  # each row's tokens so far, on the host
         drafts = drafts + [[]] * (B - b)
+        lens = inp.prompt_lens.tolist()
+        prompts = [row[P - n:] if n and prompt_lookup else [] for row, n in zip(inp.tokens.tolist(), lens)]
         done = [r >= b or out[r][0] in stops for r in range(B)]
         aligned = [bool(d) and d[:1] == out[r] for r, d in enumerate(drafts)]  # draft[:n] == what was sampled
         stats.rows += b
@@ -548,7 +554,10 @@ class Generator:
             live = [r for r in range(B) if not done[r]]
             n = [len(o) for o in out]  # the chunk starts with token n - 1, at column P + n - 1
             guess = [[] if done[r] else drafts[r][n[r]:n[r] + K - 1] if aligned[r] else
-                     draft_lookup(drafts[r], out[r], K - 1) for r in range(B)]
+                     draft_lookup(drafts[r], out[r], K - 1) or
+                     (draft_lookup(prompts[r] + out[r], out[r], K - 1, near=len(prompts[r]) + len(out[r]))
+                      if prompt_lookup else [])
+                     for r in range(B)]
             guessing = sum(1 for r in live if guess[r])
             width = K if guessing and guessing >= self.min_draft_rows * len(live) else 1
             buf = self._spec[width]
@@ -637,11 +646,14 @@ class Generator:
         return bool(torch.isin(self._tokens_out[:b, :i], self._stop_ids).any(-1).all())
 
 
-def draft_lookup(draft: List[int], sampled: List[int], k: int, match: Sequence[int] = (3, 2)) -> List[int]:
+def draft_lookup(draft: List[int], sampled: List[int], k: int, match: Sequence[int] = (3, 2),
+                 near: Optional[int] = None) -> List[int]:
     """Up to ``k`` tokens of ``draft`` that follow its occurrence of the last tokens ``sampled``
-    (the last 3, else the last 2; the occurrence nearest the row's own position): a draft that
-    one different token put out of step with the row is picked up again where it agrees."""
-    n = len(sampled)
+    (the last 3, else the last 2; of several, the one ending nearest ``near``, by default the
+    row's own position ``len(sampled)``): a draft that one different token put out of step with
+    the row is picked up again where it agrees. Over the row's own prompt and response
+    (``near=len(draft)``: the latest occurrence) it is prompt lookup."""
+    n = len(sampled) if near is None else near
     for m in match:
         if n < m:
             continue

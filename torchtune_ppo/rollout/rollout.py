@@ -205,7 +205,8 @@ class Rollout:
         for start in range(0, len(prompt_lens), n):
             end = start + n
             out = gen.generate(prompts[start:end], prompt_lens[start:end], rng=rng, noise_keys=keys[start:end],
-                               drafts=None if drafts is None or not gen.draft_tokens else drafts[start:end])
+                               drafts=None if drafts is None or not gen.draft_tokens else drafts[start:end],
+                               prompt_lookup=spec.draft == "ngram")
             spec.record(ids[start:end], out.query_responses[:, self.settings.prompt_len:], self._valid_counts(out))
             outputs.append(out)
         self.episode_metrics = gen.spec_stats.metrics()

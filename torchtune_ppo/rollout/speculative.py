@@ -255,15 +255,16 @@ class Speculation:
 
     Args:
         seed (int): the run's seed.
-        draft (str): ``previous`` (the store's drafts) or ``none`` (keyed noise only).
+        draft (str): ``previous`` (the store's drafts), ``ngram`` (prompt lookup: what followed
+            the row's last tokens earlier in its prompt and response) or ``none`` (keyed noise only).
         noise (str): ``per_step`` (the round is the step) or ``per_prompt`` (round 0 always).
         max_stored (int): the store's bound, see :class:`DraftStore`.
     """
 
     def __init__(self, *, seed: int, draft: str = "previous", noise: str = "per_step",
                  max_stored: int = 65536) -> None:
-        if draft not in ("previous", "none") or noise not in ("per_step", "per_prompt"):
-            raise ValueError(f"Speculation: draft={draft!r} must be previous or none, noise={noise!r} "
+        if draft not in ("previous", "ngram", "none") or noise not in ("per_step", "per_prompt"):
+            raise ValueError(f"Speculation: draft={draft!r} must be previous, ngram or none, noise={noise!r} "
                              "per_step or per_prompt.")
         self.seed, self.draft, self.noise = int(seed), draft, noise
         self.store = DraftStore(max_stored)
@@ -285,12 +286,14 @@ class Speculation:
     def drafts(self, ids: Sequence[Tuple[int, int]]) -> Optional[List[Optional[List[int]]]]:
         if self.draft == "none":
             return None
+        if self.draft == "ngram":  # no stored drafts: the generator looks the row's own tokens up
+            return [None] * len(ids)
         found = [self.store.get(i) for i in ids]
         return [None if d is None else d.tolist() for d in found]
 
     def record(self, ids: Sequence[Tuple[int, int]], responses: torch.Tensor, valid: torch.Tensor) -> None:
         """Keeps each row's valid response tokens as its next draft."""
-        if self.draft == "none":
+        if self.draft != "previous":
             return
         for i, row, n in zip(ids, responses.cpu(), valid.tolist()):
             self.store.put(i, row[:n])
