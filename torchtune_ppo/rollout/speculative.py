@@ -127,15 +127,10 @@ def verify(
     Returns:
         Tuple[torch.Tensor, torch.Tensor]: ``[B, K]`` winners and their ``[B, K]`` logprobs.
     """
-    B, K = tokens.shape
-    h = final_hidden_states(model, tokens, mask=mask, input_pos=input_pos)  # [B, K, D]
-    logits = model.output(h).float().flatten(0, 1)  # [B * K, V]
-    flat_noise = None if noise is None else noise.flatten(0, 1)
-    token, logprob = sample(logits, flat_noise, temperature=temperature, top_k=top_k, top_p=top_p)
-    return token.view(B, K), logprob.view(B, K)
+    return _winners(model, tokens, input_pos, mask, noise, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-# The same body as verify, a separate function on purpose: compiled, each keeps its own graph
+# A separate function on purpose: compiled, each of verify and verify_one keeps its own graph
 # ([B, K] chunks and [B, 1] tokens), so neither recompiles for the other.
 def verify_one(
     model: TransformerDecoder,
@@ -150,11 +145,14 @@ def verify_one(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`verify` of one token per row (``tokens [B, 1]``): a decode step at each row's own
     cache column, once no row has a draft left."""
+    return _winners(model, tokens, input_pos, mask, noise, temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def _winners(model, tokens, input_pos, mask, noise, **sampling) -> Tuple[torch.Tensor, torch.Tensor]:
     B, K = tokens.shape
-    h = final_hidden_states(model, tokens, mask=mask, input_pos=input_pos)  # [B, 1, D]
-    logits = model.output(h).float().flatten(0, 1)  # [B, V]
-    flat_noise = None if noise is None else noise.flatten(0, 1)
-    token, logprob = sample(logits, flat_noise, temperature=temperature, top_k=top_k, top_p=top_p)
+    h = final_hidden_states(model, tokens, mask=mask, input_pos=input_pos)  # [B, K, D]
+    logits = model.output(h).float().flatten(0, 1)  # [B * K, V]
+    token, logprob = sample(logits, None if noise is None else noise.flatten(0, 1), **sampling)
     return token.view(B, K), logprob.view(B, K)
 
 
