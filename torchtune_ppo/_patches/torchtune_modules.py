@@ -58,12 +58,7 @@ def decode_attention(
         if mask is not None:
             k, v, mask = k[:, :, :s], v[:, :, :s], mask[:, None, :, :s]
         return sdpa(q, k, v, mask, dropout_p, is_causal)
-    scale = q.shape[-1] ** -0.5
-    scores = (q.float() * k.float()).sum(-1) * scale  # [B, H, S]
-    scores = scores.masked_fill(~mask, -float("inf"))  # mask [B, 1, S] broadcasts over heads
-    weights = torch.softmax(scores, dim=-1)
-    out = (weights[..., None] * v.float()).sum(-2)  # [B, H, D]
-    return out[:, :, None].to(q.dtype)
+    return in_place_attention(q, k, v, mask, dropout_p, is_causal)
 
 
 def sdpa(
@@ -339,7 +334,7 @@ def _hidden_states_through_root(
     return h.to(dtype)  # unembed casts to float32
 
 
-def verify_attention(
+def in_place_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -347,10 +342,11 @@ def verify_attention(
     dropout_p: float,
     is_causal: bool,
 ) -> torch.Tensor:
-    """:func:`decode_attention`'s multiply-and-sum for ``s`` queries per row written anywhere in
-    the cache (speculative verification, :meth:`StaticKVCache.row_writes`): the compiler reads the
-    cache in place, where SDPA would need the KV heads' expansion copied, the whole cache, every
-    layer, every call. q: [B, H, s, D], k/v: [B, H, S, D], mask: [B, s, S]."""
+    """Attention as a multiply-and-sum over all ``S`` cache columns, for a decode query
+    (:func:`decode_attention`) or ``s`` queries per row written anywhere in the cache (speculative
+    verification, :meth:`StaticKVCache.row_writes`): the compiler reads the cache in place, where
+    SDPA would need the KV heads' expansion copied, the whole cache, every layer, every call.
+    q: [B, H, s, D], k/v: [B, H, S, D], mask: [B, s, S]."""
     scale = q.shape[-1] ** -0.5
     scores = (q.float()[:, :, :, None, :] * k.float()[:, :, None, :, :]).sum(-1) * scale  # [B, H, s, S]
     scores = scores.masked_fill(~mask[:, None], -float("inf"))
@@ -481,12 +477,12 @@ class StaticKVCache:
         """Inside :meth:`decoding`: each cache update writes row ``b``'s ``s`` new columns at
         ``cols[b]`` (``[B, s]``, read when the update runs, so one buffer serves every call),
         where torchtune's update writes every row at the same columns, and attention calls see
-        every cache column as the mask says (:func:`verify_attention`). Speculative verification
+        every cache column as the mask says (:func:`in_place_attention`). Speculative verification
         (:mod:`torchtune_ppo.rollout.speculative`) keeps each row at its own length this way."""
         for cache in self._caches:
             cache.update = functools.partial(_update_at_row_columns, cache, cols)
         for attn in self._attn:
-            attn._attention_call = verify_attention
+            attn._attention_call = in_place_attention
         try:
             yield
         finally:
