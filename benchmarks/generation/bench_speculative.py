@@ -20,6 +20,11 @@ each, and the response lengths.
     python benchmarks/generation/bench_speculative.py --noise per_prompt --drift 1e-3 --out spec.json
     python benchmarks/generation/bench_speculative.py --workload arithmetic -T 12    # the config's answers
     python benchmarks/generation/bench_speculative.py --keyed-overhead -T 64        # keyed noise, no drafts
+    python benchmarks/generation/bench_speculative.py --noise-cost                  # the draws alone
+
+``--noise-cost`` times the noise alone, no model: ``exponential_noise`` of ``[batch, 49152]`` (a
+decode step's draws from the run generator) against ``keyed_noise`` of ``[batch, 1, 49152]`` and
+``[batch, draft_tokens + 1, 49152]``, median of 30 calls (10 for the chunk).
 
 ``--keyed-overhead`` measures what position-keyed noise costs when there is no draft (a run's
 first epoch): plain decoding drawing its noise from the run's generator (``rng``) against the
@@ -89,10 +94,13 @@ def main() -> None:
     p.add_argument("--scratch", default="/tmp/bench_speculative", help="the checkpointer's output_dir (unused)")
     p.add_argument("--eager", action="store_true", help="eager steps instead of compiled")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--noise-cost", action="store_true", help="time the noise draws alone")
     p.add_argument("--keyed-overhead", action="store_true", help="rng against keyed noise, no drafts")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    if args.noise_cost:
+        return noise_cost(args)
 
     from torchtune_ppo.compile import generation_steps
     from torchtune_ppo.rollout.generation import Generator
@@ -170,6 +178,32 @@ def main() -> None:
           f"drafted {summary['drafted_s']:.2f}s")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(summary=summary, rows=rows), indent=1))
+
+
+def noise_cost(args, vocab: int = 49152) -> None:
+    from torchtune_ppo.rollout.sampling import exponential_noise
+    from torchtune_ppo.rollout.speculative import keyed_noise
+
+    B, K = args.batch, args.draft_tokens + 1
+    g, scratch, keys = torch.Generator().manual_seed(0), torch.Generator(), list(range(B))
+    step, chunk = torch.empty(B, vocab), torch.empty(B, K, vocab)
+
+    def median_ms(fn, calls):
+        times = []
+        for i in range(calls):
+            start = time.perf_counter()
+            fn(i)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1000
+
+    rows = {
+        f"exponential_noise [{B}, {vocab}]": median_ms(lambda i: exponential_noise(step, g), 30),
+        f"keyed_noise [{B}, 1, {vocab}]": median_ms(lambda i: keyed_noise(step[:, None], keys, [[i]] * B, scratch), 30),
+        f"keyed_noise [{B}, {K}, {vocab}]": median_ms(
+            lambda i: keyed_noise(chunk, keys, [range(i, i + K)] * B, scratch), 10),
+    }
+    for name, ms in rows.items():
+        print(f"{name}: {ms:.1f} ms")
 
 
 def keyed_overhead(args, model, prompts, lens, tokenizer) -> None:
