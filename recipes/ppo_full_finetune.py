@@ -111,7 +111,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._checkpoints = checkpointing.CheckpointClient(
             manager, self._models.trained, self._update.optimizer, self._update.lr_scheduler, self._skipped,
             [self._rng], run_config=checkpointing.config_to_save(cfg), kl_controller=self._kl, master_weights=self._master,
-            merge_adapters_at_end=not cfg.save_adapter_weights_only, speculation=self._rollout.speculation)
+            merge_adapters_at_end=not cfg.save_adapter_weights_only, speculation=self._rollout.speculation,
+            checkpoint_format=cfg.checkpoint_format, async_save=cfg.async_save)  # sharded: each rank its own
         self._step = StepInProgress(self._checkpoints.capture_rng)
         self._profiler = (training.setup_torch_profiler(enabled=False)[0] if cfg.profiler is None
                           else config.instantiate(cfg.profiler)[0])
@@ -320,14 +321,13 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         pbar.set_postfix(progress(metrics))
 
     def save_checkpoint(self, step: int, rng=None) -> str:
-        """Write ``<output_dir>/checkpoints/step_<step>``: policy and value (if any) in HF format
-        and the training state (optimizer, counters, data position, random states: ``rng``, after
-        a failure those from before the failed step drew from them), atomically."""
+        """Writes ``checkpoints/step_<step>`` atomically; ``rng``: after a failure, those from before the step."""
         path = self._checkpoints.save(step, self._progress.state_dict(), rng, final=rng is None and self._progress.done)
         self._progress.saved(step)
         return path
 
     def cleanup(self) -> None:
+        self._checkpoints.close()  # a save in flight (async_save) is written
         self._metric_logger.close()
         checkpointing.release_output_dir(self._output_dir)
 

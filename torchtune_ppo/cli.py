@@ -7,6 +7,8 @@ The YAML files of ``recipes/configs/<family>/<name>.yaml`` install as the packag
 - ``tune-ppo ls``: the recipe and every shipped config, with the one-line description the
   config opens with.
 - ``tune-ppo cp <name> [dest]``: copy a config (or the recipe, ``ppo_full_finetune``) to edit.
+- ``tune-ppo export <checkpoint> <dest>``: a checkpoint's trained models as Hugging Face folders
+  (:mod:`torchtune_ppo.checkpointing.export`).
 - ``tune run ppo_full_finetune --config <name>``: the recipe's ``__main__`` block rewrites a
   ``--config`` value that is not a file (with or without ``.yaml``) but a shipped name into
   that config's path (:func:`resolve_config_arg`) before torchtune's ``config.parse`` reads it,
@@ -273,6 +275,17 @@ def _cp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     print(f"Copied file to {dest}\nRun it with: {run}")
 
 
+def _export(args: argparse.Namespace) -> None:
+    from torchtune_ppo.checkpointing.export import export_checkpoint
+
+    try:
+        written = export_checkpoint(args.checkpoint, args.dest, adapter=args.adapter)
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    for name, folder in written.items():
+        print(f"Exported {name} to {folder}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="tune-ppo",
@@ -310,10 +323,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                          help="overwrite an existing file")
     cp.add_argument("--make-parents", action="store_true",
                     help="create the destination's parent folders if they do not exist")
+    export = commands.add_parser(
+        "export", help="write a checkpoint's trained models as Hugging Face folders",
+        description=("Write <dest>/policy and <dest>/value (a critic-free run has none) in Hugging Face "
+                     "format from a checkpoint of either checkpoint_format, through the run's own "
+                     "checkpointers (the folder the run started from must still be there). A LoRA model is "
+                     "merged, or with --adapter written as its adapters in PEFT's layout."))
+    export.add_argument("checkpoint", help="a checkpoints/step_<N> folder, or a run's output_dir (its newest)")
+    export.add_argument("dest", help="an empty or new folder")
+    export.add_argument("--adapter", action="store_true", help="LoRA models: the adapters, not merged weights")
     args = parser.parse_args(argv)
     try:
         if args.command == "ls":
             _ls(args)
+        elif args.command == "export":
+            _export(args)
         else:
             _cp(cp, args)
     except BrokenPipeError:  # `tune-ppo ls | head`

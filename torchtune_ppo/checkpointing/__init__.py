@@ -20,6 +20,7 @@ from torchtune_ppo.checkpointing.store import (  # noqa: F401
     checkpointer_overrides,
     edited_files,
     existing_checkpoints,
+    is_sharded,
     latest_checkpoint,
     load_adapters,
     load_training_state,
@@ -46,6 +47,6 @@ __all__ = [
     "CONFIG_FNAME", "DamagedCheckpointError", "EVALUATION_FNAME", "NonFiniteWeightsError", "ResumeConfigError",
     "apply_optimizer_overrides", "capture_rng_state", "check_loaded_finite", "check_resume_config",
     "check_shapes", "check_writable", "config_to_save", "checkpoint_to_resume", "checkpointer_overrides",
-    "edited_files", "existing_checkpoints", "latest_checkpoint", "load_adapters", "load_training_state",
+    "edited_files", "existing_checkpoints", "is_sharded", "latest_checkpoint", "load_adapters", "load_training_state",
     "lock_output_dir", "release_output_dir", "restore_rng_state", "set_aside", "write_evaluation",
 ]

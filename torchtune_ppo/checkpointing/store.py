@@ -24,6 +24,10 @@ an ignored temporary folder::
                                  COMPLETE; it replaces the record in training_state.pt when read
                                  (:func:`load_training_state`). Absent: that evaluation never
                                  finished, and a resume runs it again
+        step_<N>/ (sharded)      checkpoint_format: sharded: shards/ (every rank's own shards of the
+                                 weights, optimizer state and fp32 masters, torch.distributed.checkpoint),
+                                 training_state.pt, config.yaml, COMPLETE, evaluation.json as above
+                                 (:mod:`.sharded`; ``tune-ppo export`` turns it into HF folders)
         .tmp_step_<N>_<pid>/     a save in progress, or left by a crash: never read, cleaned later
         step_<N>.damaged-<time>/ a step folder a resume found damaged or incomplete, set aside
                                  (renamed, never deleted) so that the run can save step N again
@@ -92,11 +96,13 @@ _ADAPTER_RE = re.compile(r"^(adapter_(model|config)\.(safetensors|bin|pt|json)|h
 ADAPTER_PT_FNAME = "adapter_model.pt"
 # A LoRA value model's head, trained whole beside its adapters, in torchtune's names.
 HEAD_FNAME = "head.safetensors"
+SHARDS_DIRNAME = "shards"  # a sharded checkpoint's DCP folder (checkpointing.sharded)
 _MAX_NAMES = 5  # parameter names listed in a non-finite error
 
 # Test hook: when TORCHTUNE_PPO_CRASH_DURING_SAVE names a point of `CheckpointManager.save`
-# (after_policy, after_value, after_training_state, before_rename), the process SIGKILLs itself
-# there, so tests can check that a crash mid-save never leaves a checkpoint that looks complete.
+# (after_policy, after_value, after_training_state, before_rename; ``<point>:<step>``: only in the
+# save of that step), the process SIGKILLs itself there, so tests can check that a crash mid-save
+# never leaves a checkpoint that looks complete.
 _CRASH_ENV = "TORCHTUNE_PPO_CRASH_DURING_SAVE"
 # Test hook: when set (to anything), writing training_state.pt fails as on a full disk
 # (OSError ENOSPC), as a real full disk would.
@@ -211,10 +217,6 @@ class CheckpointManager:
         """
         step = int(step)
         final = self.root / f"step_{step}"
-        if final.exists() and _invalid_reason(final) is None:
-            raise CheckpointExistsError(
-                f"Checkpoint {final} is already complete; refusing to overwrite it"
-            )
         adapters = dict(adapters or {})
         has_value = value_state_dict is not None or "value" in adapters
         if has_value != ("value" in self._writer_cfgs):
@@ -228,7 +230,30 @@ class CheckpointManager:
         _check_finite({**{k: v for k, v in weights.items() if v is not None},
                        **{f"{k} adapters": {**v[0], **v[2]} for k, v in adapters.items()}})
 
-        tmp = self.root / f"{_TMP_PREFIX}step_{step}_{os.getpid()}"
+        tmp = self.prepare(step)
+        try:
+            for name, sd in weights.items():
+                self._write_hf(name, sd, step, tmp, adapters.get(name))
+                _maybe_crash(f"after_{name}")
+        except BaseException as e:
+            error = self._abandon(e, tmp, final)
+            if error is e:
+                raise
+            raise error from e
+        return self.complete(step, tmp, training_state, run_config)
+
+    def prepare(self, step: int, pid: Optional[int] = None) -> Path:
+        """A fresh, empty temporary folder for a save of ``step``, named by ``pid`` (this
+        process's; a sharded save's ranks all use rank 0's, so that they write one folder).
+
+        Raises:
+            CheckpointExistsError: ``step_<step>`` is already complete on disk.
+            CheckpointWriteError: the folder cannot be made.
+        """
+        final = self.root / f"step_{int(step)}"
+        if final.exists() and _invalid_reason(final) is None:
+            raise CheckpointExistsError(f"Checkpoint {final} is already complete; refusing to overwrite it")
+        tmp = self.root / f"{_TMP_PREFIX}step_{int(step)}_{os.getpid() if pid is None else pid}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():  # left by an earlier failed save of this process (or a reused pid)
@@ -236,33 +261,44 @@ class CheckpointManager:
             tmp.mkdir()
         except OSError as e:
             raise _write_error(e, final, self.root) from e
+        return tmp
+
+    def complete(self, step: int, tmp: Path, training_state: Dict[str, Any],
+                 run_config: Optional[Mapping[str, Any]] = None, fmt: str = "full") -> Path:
+        """Writes the training state and config into ``tmp`` (which holds the weights), fsyncs
+        it, writes the marker last and renames it to ``step_<step>``; then prunes. On any error
+        ``tmp`` is removed and a :class:`CheckpointWriteError` raised for an I/O failure."""
+        final = self.root / f"step_{int(step)}"
         try:
-            for name, sd in weights.items():
-                self._write_hf(name, sd, step, tmp, adapters.get(name))
-                _maybe_crash(f"after_{name}")
             _write_training_state(training_state, tmp / TRAINING_STATE_FNAME)
             if run_config is not None:
                 (tmp / CONFIG_FNAME).write_text(OmegaConf.to_yaml(OmegaConf.create(dict(run_config))))
-            _maybe_crash("after_training_state")
+            _maybe_crash("after_training_state", step)
             _fsync_tree(tmp)
-            _write_marker(tmp, step)
-            _maybe_crash("before_rename")
+            _write_marker(tmp, int(step), fmt)
+            _maybe_crash("before_rename", step)
             if final.exists():
                 # Only an incomplete folder can be here (checked above): set aside, never deleted.
                 set_aside(final, _invalid_reason(final) or "incomplete")
             os.rename(tmp, final)
             _fsync_dir(self.root)
         except BaseException as e:
-            error = _write_error(e, final, self.root) if isinstance(e, Exception) else None
-            shutil.rmtree(tmp, ignore_errors=True)
-            if error is not None:
-                raise error from e
-            raise
+            error = self._abandon(e, tmp, final)
+            if error is e:
+                raise
+            raise error from e
         log.info(f"Saved checkpoint {final}")
         self._clean_tmp()
         if self.keep_last_n is not None:
             self._prune(keep=final)
         return final
+
+    def _abandon(self, e: BaseException, tmp: Path, final: Path) -> BaseException:
+        # The partial folder goes; an I/O failure is said as one (CheckpointWriteError), any
+        # other error is returned as it is.
+        error = _write_error(e, final, self.root) if isinstance(e, Exception) else None
+        shutil.rmtree(tmp, ignore_errors=True)
+        return e if error is None else error
 
     def _write_hf(self, name: str, state_dict: Optional[Mapping[str, torch.Tensor]], step: int, tmp: Path,
                   adapter: Optional[Tuple[Mapping[str, torch.Tensor], Mapping[str, Any],
@@ -455,8 +491,8 @@ def check_loaded_finite(state_dict: Mapping[str, torch.Tensor], key: str) -> Non
         ) from None
 
 
-def _maybe_crash(point: str) -> None:
-    if os.environ.get(_CRASH_ENV) == point:
+def _maybe_crash(point: str, step: Optional[int] = None) -> None:
+    if os.environ.get(_CRASH_ENV) in (point, f"{point}:{step}"):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -499,12 +535,13 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_marker(folder: Path, step: int) -> None:
-    """Write ``COMPLETE`` last: the step, every file with its size and sha256, the weight files
-    per model."""
+def _write_marker(folder: Path, step: int, fmt: str = "full") -> None:
+    """Write ``COMPLETE`` last: the step, the format, every file with its size and sha256, the
+    weight files per model (a sharded folder's are its shards, listed with the other files)."""
     paths = [p for p in sorted(folder.rglob("*")) if p.is_file()]
     marker = {
         "step": step,
+        "format": fmt,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "files": {str(p.relative_to(folder)): p.stat().st_size for p in paths},
         "sha256": {str(p.relative_to(folder)): sha256_of(p) for p in paths},
@@ -557,7 +594,13 @@ def _invalid_reason(folder: Path, verify: bool = False) -> Optional[str]:
             return f"{rel} listed in {MARKER_FNAME} is missing"
         if p.stat().st_size != size:
             return f"{rel} has {p.stat().st_size} bytes, {MARKER_FNAME} says {size}"
-    weights, adapters = marker.get("checkpoint_files") or {}, marker.get("adapter_files") or {}
+    if marker.get("format") == "sharded":
+        files = marker.get("files") or {}
+        if f"{SHARDS_DIRNAME}/.metadata" not in files or not any(f.endswith(".distcp") for f in files):
+            return f"{MARKER_FNAME} lists no {SHARDS_DIRNAME}/.metadata and shard files"
+        weights, adapters = {"policy": True}, {}
+    else:
+        weights, adapters = marker.get("checkpoint_files") or {}, marker.get("adapter_files") or {}
     # the policy always; the value model where it was saved (none: critic-free)
     for name in ("policy", *(n for n in MODEL_NAMES if n != "policy" and (n in weights or n in adapters))):
         if not (weights.get(name) or adapters.get(name)):
@@ -810,11 +853,17 @@ def checkpointer_overrides(checkpoint: Union[str, Path]) -> Dict[str, Dict[str, 
         ValueError: ``checkpoint`` is not complete.
     """
     checkpoint = _require_complete(checkpoint)
-    files = _read_marker(checkpoint)["checkpoint_files"]
+    files = _read_marker(checkpoint).get("checkpoint_files") or {}  # none in a sharded one
     return {
         name: {"checkpoint_dir": str(checkpoint / name), "checkpoint_files": list(files[name])}
         for name in MODEL_NAMES if name in files
     }
+
+
+def is_sharded(checkpoint: Union[str, Path]) -> bool:
+    """Whether a complete checkpoint is of ``checkpoint_format: sharded`` (its weights in
+    ``shards/``, loaded after the models are built from the config's checkpointers)."""
+    return _read_marker(_require_complete(checkpoint)).get("format") == "sharded"
 
 
 def load_adapters(checkpoint: Union[str, Path], name: str) -> Dict[str, torch.Tensor]:

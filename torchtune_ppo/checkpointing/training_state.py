@@ -7,7 +7,10 @@ progress, and hides gathering sharded weights and optimizer state, which rank wr
 a state saved on another number of processes is taken apart.
 """
 
+import copy
+import os
 import random
+from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
@@ -15,6 +18,7 @@ from torch import nn
 from torchtune import utils
 
 from torchtune_ppo import distributed, lora
+from torchtune_ppo.checkpointing import sharded
 from torchtune_ppo.checkpointing.store import CheckpointManager, load_training_state, write_evaluation
 
 log = utils.get_logger("INFO")
@@ -101,14 +105,24 @@ class CheckpointClient:
             rank's own, restored on the same number of ranks. Drafts never change what is sampled,
             only which forward computes it (and so the last bits of its logprobs): without them a
             resume is as exact as it is with them up to that rounding.
+        checkpoint_format (str): ``full``: weights gathered and written by rank 0 in HF format;
+            ``sharded``: every rank writes its own shards (:mod:`.sharded`).
+        async_save (bool): sharded saves staged and written in the background (:class:`.sharded.ShardWriter`).
     """
 
     def __init__(self, manager: CheckpointManager, models: Mapping[str, nn.Module], optimizer: Any,
                  lr_scheduler: Optional[Any], skipped_steps: Any, generators: Sequence[torch.Generator],
                  run_config: Optional[Mapping[str, Any]] = None, kl_controller: Optional[Any] = None,
                  merge_adapters_at_end: bool = True, master_weights: Optional[Any] = None,
-                 speculation: Optional[Any] = None) -> None:
+                 speculation: Optional[Any] = None, checkpoint_format: str = "full",
+                 async_save: bool = False) -> None:
+        if checkpoint_format not in sharded.FORMATS or (async_save and checkpoint_format != "sharded"):
+            raise ValueError(f"checkpoint_format must be one of {sharded.FORMATS} (async_save with sharded only), "
+                             f"got {checkpoint_format!r} with async_save={async_save}")
         self.manager, self.models = manager, dict(models)
+        self.shards = sharded.ShardWriter(async_save) if checkpoint_format == "sharded" else None
+        # a sharded save's ranks write into one temporary folder, named by rank 0's pid
+        self._pid = distributed.all_gather_objects(os.getpid())[0] if distributed.world_size() > 1 else os.getpid()
         self.speculation = speculation
         self.master_weights = master_weights
         self.merge_adapters_at_end = merge_adapters_at_end
@@ -131,7 +145,9 @@ class CheckpointClient:
         world = distributed.world_size()
         state = {
             # On W ranks: keyed by parameter name with full tensors, so any W can resume it.
-            "optimizer": self.optimizer.state_dict() if world == 1
+            # Sharded: its settings here, its tensors in the shards.
+            "optimizer": sharded.optimizer_settings(self.models, self.optimizer) if self.shards is not None
+            else self.optimizer.state_dict() if world == 1
             else distributed.full_optimizer_state_dict(self.models, self.optimizer),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             **{k: progress[k] for k in PROGRESS_KEYS},
@@ -143,7 +159,8 @@ class CheckpointClient:
             **({"evaluation": progress["evaluation"]} if progress.get("evaluation") is not None else {}),
             "skipped_steps": self.skipped_steps.state_dict(),
             **({} if self.kl_controller is None else {"kl_controller": self.kl_controller.state_dict()}),
-            **({} if self.master_weights is None else {"master_weights": self.master_weights.state_dict()}),
+            **({} if self.master_weights is None or self.shards is not None
+               else {"master_weights": self.master_weights.state_dict()}),
             "rng": dict(rng) if rng is not None else capture_rng_state(self.generators),
         }
         if world > 1:  # resumed on the same number of ranks, each gets its own back
@@ -153,6 +170,8 @@ class CheckpointClient:
             state["speculative_per_rank"] = distributed.all_gather_objects(drafts) if world > 1 else [drafts]
         # The random states in "rng" are rank 0's: a resume on another number of ranks draws
         # different samples.
+        if self.shards is not None:
+            return self._save_sharded(step, state, blocking=final or rng is not None)
         adapters = {name: (lora.adapter_state_dict(m), lora.peft_adapter_config(m), lora.head_state_dict(m))
                     for name, m in self.models.items() if lora.has_adapters(m)}
         merge = final and self.merge_adapters_at_end
@@ -165,6 +184,34 @@ class CheckpointClient:
             self.manager.save(step, weights["policy"], weights.get("value"), state, self.run_config, **extra)
         distributed.barrier()
         return str(self.manager.root / f"step_{int(step)}")
+
+    def _save_sharded(self, step: int, state: Dict[str, Any], blocking: bool) -> str:
+        """Every rank writes its shards; rank 0 then the rest and the marker. ``blocking``: on disk
+        before returning (a stop, a failure, the last step), else in the background with async_save."""
+        masters = None if self.master_weights is None else self.master_weights.masters
+        shards = sharded.shard_state(self.models, self.optimizer, masters)
+        tmp = self.manager.root / f".tmp_step_{int(step)}_{self._pid}"
+        complete = lambda: None  # noqa: E731
+        if distributed.rank() == 0:
+            self.shards.wait()  # the save in flight completes (and prunes) before the next begins
+            tmp = self.manager.prepare(step, self._pid)
+            state = copy.deepcopy(state)  # the steps that follow change the lists and dicts in it
+            complete = lambda: self.manager.complete(step, tmp, state, self.run_config, fmt="sharded")  # noqa: E731
+        distributed.barrier()  # the folder exists before any rank writes into it
+        self.shards.save(tmp, shards, complete, blocking=blocking)
+        if blocking:
+            distributed.barrier()
+        blocked = self.shards.last_blocked_s
+        if distributed.rank() == 0:
+            log.info(f"Step {step}: the save held the step {blocked:.2f} s"
+                     + ("" if blocking or not self.shards.async_save else " (written in the background)"))
+        return str(self.manager.root / f"step_{int(step)}")
+
+    def close(self) -> None:
+        """Finishes a save in flight (``async_save``); every rank must call it."""
+        if self.shards is not None:
+            self.shards.close()
+            distributed.barrier()
 
     def record_evaluation(self, step: int, evaluation: Mapping[str, Any]) -> None:
         """Adds to the saved ``step_<step>`` the evaluations' record after that step's evaluation,
@@ -180,7 +227,12 @@ class CheckpointClient:
         once the data iterator is back in place (None when saved on another number of ranks)."""
         state = load_training_state(checkpoint)
         world = distributed.world_size()
-        if world == 1 and not distributed.keyed_by_name(state["optimizer"]):
+        if state["optimizer"].get("format") == "sharded":  # weights, optimizer and masters from the shards
+            sharded.load_shards(Path(checkpoint), self.models, self.optimizer, state["optimizer"],
+                                None if self.master_weights is None else self.master_weights.masters)
+            if self.master_weights is not None:
+                self.master_weights.write_back()
+        elif world == 1 and not distributed.keyed_by_name(state["optimizer"]):
             self.optimizer.load_state_dict(state["optimizer"])
         else:  # saved or loaded on several ranks: a full state keyed by parameter name
             distributed.load_full_optimizer_state_dict(self.models, self.optimizer, state["optimizer"])
@@ -189,7 +241,7 @@ class CheckpointClient:
         self.skipped_steps.load_state_dict(state["skipped_steps"])
         if self.kl_controller is not None and "kl_controller" in state:  # older checkpoints: the config's
             self.kl_controller.load_state_dict(state["kl_controller"])
-        if self.master_weights is not None:
+        if self.master_weights is not None and state["optimizer"].get("format") != "sharded":
             if "master_weights" not in state:
                 raise ValueError(f"{checkpoint} holds no fp32 master weights (saved with master_weights=False or "
                                  "dtype=fp32): resume it with the settings it was saved with.")

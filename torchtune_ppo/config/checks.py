@@ -51,7 +51,8 @@ from torchtune_ppo.config.schema import (
     defaults,
     parse_compile,
 )
-from torchtune_ppo.config.training import check_algorithms, check_eval, check_optimizer_in_bwd, check_optimizer_lr
+from torchtune_ppo.config.training import (check_algorithms, check_checkpoint_format, check_eval, check_optimizer_in_bwd,
+                                          check_optimizer_lr)
 from torchtune_ppo.config.weights import check_advantage_estimator, check_checkpoint_files, check_models, check_reward
 
 
@@ -189,6 +190,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     # rest of the run reads cfg.compile.<region>.
     cfg.compile = dataclasses.asdict(parse_compile(cfg.compile))
     check_optimizer_in_bwd(cfg)
+    check_checkpoint_format(cfg)
     check_batch_sizes(cfg)
     check_min_response_length(cfg)
     check_no_eos_penalty(cfg)

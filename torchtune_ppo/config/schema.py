@@ -717,6 +717,16 @@ SCHEMA: Tuple[Key, ...] = (
         "also save after every N passes over the dataset (torchtune's key); null: not"),
     Key("keep_last_n_checkpoints", Count(optional=True), None,
         "keep only the newest N complete checkpoints, so long runs fit on disk; null keeps all"),
+    Key("checkpoint_format", Choice(options=("full", "sharded")), "full",
+        "`full`: each checkpoint holds the trained models in Hugging Face format, gathered to and "
+        "written by one process; `sharded`: every process writes its own shards of the weights, "
+        "optimizer state and fp32 masters (torch.distributed.checkpoint), nothing is gathered, and a "
+        "resume reshards to any number of processes; `tune-ppo export` turns one into Hugging Face "
+        "folders. See [Several processes](distributed.md#checkpoints)"),
+    Key("async_save", Bool(), False,
+        "with `checkpoint_format: sharded`: a save copies the state to host memory and writes it in "
+        "the background while the next steps run (one save at a time; a save at a stop, a failure or "
+        "the end is written before the run goes on)"),
     Key("save_adapter_weights_only", Bool(), False,
         "LoRA models: every checkpoint holds their adapters (PEFT layout); the run's last one also "
         "the merged full weights (HF format) unless this is true (torchtune's key)"),

@@ -40,6 +40,17 @@ def check_optimizer_in_bwd(cfg: DictConfig) -> None:
         )
 
 
+def check_checkpoint_format(cfg: DictConfig) -> None:
+    """``async_save`` writes sharded checkpoints only; a sharded checkpoint names the optimizer's
+    state by parameter, which ``optimizer_in_bwd``'s per-parameter optimizers do not hold."""
+    if cfg.async_save and cfg.checkpoint_format != "sharded":
+        raise ValueError(f"async_save=True writes sharded checkpoints only (checkpoint_format={cfg.checkpoint_format!r}): "
+                         "set checkpoint_format=sharded, or async_save=False.")
+    if cfg.checkpoint_format == "sharded" and cfg.optimizer_in_bwd:
+        raise ValueError("checkpoint_format=sharded with optimizer_in_bwd=True is not supported (one optimizer per "
+                         "parameter): set checkpoint_format=full, or optimizer_in_bwd=False.")
+
+
 def check_optimizer_lr(cfg: DictConfig) -> None:
     """``optimizer.lr``, when given, is a finite number > 0."""
     lr = cfg.optimizer.get("lr") if isinstance(cfg.optimizer, Mapping) else None

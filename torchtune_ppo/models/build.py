@@ -67,6 +67,8 @@ def build_models(cfg: DictConfig, *, device: torch.device, dtype: torch.dtype,
     Returns:
         Models: the run's models.
     """
+    if resume_from and checkpointing.is_sharded(resume_from):
+        resume_from = None  # built from the config's checkpointers; the shards are loaded after sharding
     weights = checkpointing.checkpointer_overrides(resume_from) if resume_from else {}
     build = _Builder(cfg, device, dtype)
     policy = build(cfg.policy_model, "checkpointer", weights.get("policy", {}), trainable=True,
