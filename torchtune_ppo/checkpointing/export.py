@@ -47,6 +47,9 @@ def export_checkpoint(checkpoint: Union[str, Path], dest: Union[str, Path], *, a
     dest = Path(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise FileExistsError(f"export: {dest} already holds files; give an empty or new folder.")
+    if not (step / CONFIG_FNAME).is_file():
+        raise FileNotFoundError(f"export: {step} holds no {CONFIG_FNAME}, which names the run's checkpointers "
+                                "and models; export a checkpoint the recipe saved.")
     run_cfg = OmegaConf.load(step / CONFIG_FNAME)
     marker = _read_marker(step)
     is_sharded = marker.get("format") == "sharded"

@@ -26,6 +26,7 @@ complete folder or an ignored temporary one.
 """
 
 import concurrent.futures
+import contextlib
 import threading
 import time
 import warnings
@@ -136,7 +137,8 @@ def load_shards(folder: Path, models: Mapping[str, nn.Module], optimizer: torch.
         if size != tuple(v.shape):
             raise ValueError(f"{folder}/{SHARDS_DIRNAME}: {k} has shape {size} there but {tuple(v.shape)} in this "
                              "run's model; the checkpoint is of another model size or family.")
-    dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+    with _one_process_quiet():
+        dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
     for g, saved_group in zip(optimizer.param_groups, settings["param_groups"]):
         g.update({k: v for k, v in saved_group.items() if k != "params"})
     for name, m in models.items():  # the state dict's tensors are the parameters: loaded in place
@@ -152,8 +154,7 @@ def read_full(folder: Path, prefix: str) -> Dict[str, torch.Tensor]:
     out = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items()
            if k.startswith(prefix) and hasattr(m, "size")}
     if out:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
+        with _one_process_quiet():
             dcp.load(out, storage_reader=reader, no_dist=True)
     return {k[len(prefix):]: v for k, v in out.items()}
 
@@ -238,4 +239,13 @@ class ShardWriter:
 def _write(tmp: Path, state: Mapping[str, torch.Tensor], group) -> None:
     # sync_files: each shard fsynced before the metadata that names it is written
     writer = dcp.FileSystemWriter(str(Path(tmp) / SHARDS_DIRNAME), sync_files=True)
-    dcp.save(dict(state), storage_writer=writer, process_group=group, no_dist=not dist.is_initialized())
+    with _one_process_quiet():
+        dcp.save(dict(state), storage_writer=writer, process_group=group, no_dist=not dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _one_process_quiet():
+    # DCP warns "assuming the intent is to save in a single process" on one process: it is.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to", category=UserWarning)
+        yield
