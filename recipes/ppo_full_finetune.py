@@ -43,7 +43,7 @@ from torchtune_ppo.rollout import Generator, Rollout, Speculation, TurnRunner, c
 from torchtune_ppo.run.guards import SkippedSteps, StepInProgress, evaluate_when_due, on_step_failure
 from torchtune_ppo.run.interrupt import resume_command, stop_on_signals
 from torchtune_ppo.run.metrics import PhaseTimer, metric_logger, step_metrics
-from torchtune_ppo.run.optim import InBackwardOptimizer, MasterWeights, build_optimizer
+from torchtune_ppo.run.optim import InBackwardOptimizer, build_optimizer, master_weights
 from torchtune_ppo.run.preflight import preflight
 from torchtune_ppo.run.progress import Progress
 from torchtune_ppo.run.watch import SampleLog, progress, run_summary
@@ -153,8 +153,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
     def _setup_update(self, cfg: DictConfig, regions: compiling.Regions) -> PPOUpdate:
         models, rows = self._models.trained, self._rows_per_step
         params = [p for m in models.values() for p in m.parameters() if p.requires_grad]  # LoRA: adapters only
-        # bf16: the optimizer steps fp32 copies of the weights, rounded into them after each step
-        self._master = MasterWeights(params, regions.master_step) if cfg.dtype == "bf16" and cfg.master_weights else None
+        # bf16: the optimizer steps fp32 copies of the weights (on W processes FSDP2's fp32 shards)
+        self._master = master_weights(cfg, params, regions.master_step, self._world_size)
         optimizer = (InBackwardOptimizer(cfg.optimizer, models) if cfg.optimizer_in_bwd else
                      build_optimizer(cfg.optimizer, params if self._master is None else self._master.masters))
         lr_scheduler = None

@@ -12,12 +12,12 @@ valid count), so the sum is the 1-process value.
 import atexit
 import contextlib
 import os
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torchtune import modules, training
 
 from torchtune_ppo import lora
@@ -121,7 +121,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def shard(model: nn.Module) -> None:
+def shard(model: nn.Module, compute_dtype: Optional[torch.dtype] = None) -> None:
     """FSDP2 per transformer layer, then the root (embeddings, final norm, output): the trained
     models, and the frozen ones with ``shard_frozen_models``.
 
@@ -133,13 +133,22 @@ def shard(model: nn.Module) -> None:
     Its fresh adapters (``lora_a``) were drawn from each rank's own seed (torchtune's
     ``set_seed`` adds the rank), so rank 0's are copied to every rank first: each rank then
     keeps its shard of the one model the 1-process run would have.
+
+    ``compute_dtype`` (bf16 with ``master_weights``): the model's parameters stay in their own
+    dtype (fp32: each rank's shard is the master copy of its part) and are gathered in
+    ``compute_dtype`` for every forward and backward; gradients are reduced in fp32 into the
+    fp32 shards (FSDP2's ``MixedPrecisionPolicy``), so the optimizer steps fp32 weights and keeps
+    updates below a bf16 spacing, as :class:`~torchtune_ppo.run.optim.MasterWeights` does on one process.
     """
     if world_size() > 1:
         for p in lora.get_adapter_params(model).values():
             dist.broadcast(p.data, src=0)
-    training.shard_model(
-        model, [lambda n, m: isinstance(m, modules.TransformerSelfAttentionLayer)], cpu_offload=False
-    )
+    kwargs: Dict[str, Any] = {"reshard_after_forward": True}
+    if compute_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for m in reversed([m for m in model.modules() if isinstance(m, modules.TransformerSelfAttentionLayer)]):
+        fully_shard(m, **kwargs)  # each layer its own group, innermost first, as torchtune's shard_model
+    fully_shard(model, **kwargs)  # the root: embeddings, final norm, output
     for m in _fsdp_modules(model):
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
@@ -236,3 +245,16 @@ def load_full_optimizer_state_dict(
         nn.ModuleDict(models), optimizer, optim_state_dict=state,
         options=StateDictOptions(full_state_dict=True),
     )
+
+
+def load_full_masters(models: Dict[str, nn.Module], masters: List[torch.Tensor]) -> None:
+    """One process's fp32 masters (:class:`~torchtune_ppo.run.optim.MasterWeights`, in the
+    optimizer's order) into the fp32 trained parameters of several processes, each rank its shard
+    (bf16 with master weights saved on one process, resumed on several)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    masters = iter(masters)
+    for model in models.values():
+        full = {n: next(masters) for n, p in model.named_parameters() if p.requires_grad}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+

@@ -121,7 +121,7 @@ def worker(mode: str, model_name: str, out_dir: str, result: str) -> None:
     else:
         held_again = held
     if rank == 0:
-        n = sum(p.numel() for p in model.parameters()) * distributed.world_size()
+        n = sum(p.numel() for p in model.parameters())  # a DTensor counts its global size
         Path(result).write_text(json.dumps({"peak_gib": (peak.peak - peak.base) / 2**30, "held_s": held,
                                             "held_again_s": held_again, "total_s": total, "params_approx": n}))
     distributed.shutdown()

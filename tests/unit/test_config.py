@@ -485,8 +485,9 @@ def test_cpu_threads_auto_leaves_a_core_free(monkeypatch):
 
 
 def test_bf16_master_weights_only_where_they_are_kept():
-    """On one process without optimizer_in_bwd bf16 keeps fp32 masters; with optimizer_in_bwd (as in
-    torchtune's own bf16 configs) and on several processes the bf16 weights are trained directly."""
+    """Without optimizer_in_bwd bf16 keeps fp32 masters, on one process and on several (there the
+    trained models' fp32 FSDP2 shards are the masters); with optimizer_in_bwd (as in torchtune's
+    own bf16 configs) the bf16 weights are trained directly."""
     from torchtune_ppo.config import check_world_size
 
     assert validate_config(_cfg(dtype="bf16")).master_weights is True
@@ -495,7 +496,7 @@ def test_bf16_master_weights_only_where_they_are_kept():
     assert bwd.master_weights is False
     two = validate_config(_cfg(dtype="bf16"))
     check_world_size(two, 2)
-    assert two.master_weights is False
+    assert two.master_weights is True
     fp32 = validate_config(_cfg())
     check_world_size(fp32, 2)
     assert fp32.master_weights is True  # no effect in fp32, left as given

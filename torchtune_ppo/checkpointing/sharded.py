@@ -106,7 +106,9 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 def load_shards(folder: Path, models: Mapping[str, nn.Module], optimizer: torch.optim.Optimizer,
                 settings: Mapping[str, Any], masters: Optional[List[torch.Tensor]] = None) -> None:
     """Fills the models, the optimizer and the masters from ``folder/shards`` in place, each
-    rank its own part, whatever the number of ranks that saved; every rank must call it.
+    rank its own part, whatever the number of ranks that saved; every rank must call it. bf16
+    masters move between their two layouts: one process's masters (``master.*``) fill the fp32
+    shards of several, whose fp32 weights fill one process's masters.
 
     Raises:
         ValueError: the shards miss a tensor this run trains, or a shape differs (another model).
@@ -119,31 +121,44 @@ def load_shards(folder: Path, models: Mapping[str, nn.Module], optimizer: torch.
                          f"{len(names)} (first differing: {missing}); resume with the models it was saved with.")
     if settings["stateful"]:
         init_optimizer_state(optimizer)
-    state = shard_state(models, optimizer, masters)
+    targets = shard_state(models, optimizer, masters)
     stateful = set(settings["stateful"])
-    state = {k: v for k, v in state.items() if not k.startswith("optim.") or k.split(".", 1)[1].rsplit(".", 1)[0]
-             in stateful}
+    targets = {k: v for k, v in targets.items()
+               if not k.startswith("optim.") or k.split(".", 1)[1].rsplit(".", 1)[0] in stateful}
     reader = dcp.FileSystemReader(str(Path(folder) / SHARDS_DIRNAME))
     saved = reader.read_metadata().state_dict_metadata
-    absent = [k for k in state if k not in saved]
+    sources = {k: k for k in targets}  # this run's tensor -> the checkpoint's that fills it
+    saved_masters = any(k.startswith("master.") for k in saved)
+    if masters is None and saved_masters:
+        # bf16 masters saved on one process, resumed on several: the fp32 shards take the masters
+        sources.update({f"model.{n}": f"master.{n}" for n in names})
+    elif masters is not None and not saved_masters and all(
+            getattr(saved.get(f"model.{n}"), "properties", None) is not None
+            and saved[f"model.{n}"].properties.dtype == torch.float32 for n in names):
+        # saved on several processes, whose fp32 shards were the masters: they fill this run's
+        # masters, rounded into the bf16 weights after the load (MasterWeights.write_back)
+        for n in names:
+            del sources[f"model.{n}"]
+            sources[f"master.{n}"] = f"model.{n}"
+    absent = [s for s in sources.values() if s not in saved]
     if any(k.startswith("master.") for k in absent):
         raise ValueError(f"{folder} holds no fp32 master weights (saved with master_weights=False or dtype=fp32): "
                          "resume it with the settings it was saved with.")
     if absent:
         raise ValueError(f"{folder}/{SHARDS_DIRNAME} holds no {absent[:3]} ({len(absent)} tensors missing): "
-                         "it was saved from other models; resume with the models it was saved with.")
-    for k, v in state.items():
-        size = tuple(getattr(saved[k], "size", ()))
+                         "it was saved from other models; resume it with the models it was saved with.")
+    for k, src in sources.items():
+        size, v = tuple(getattr(saved[src], "size", ())), targets[k]
         if size != tuple(v.shape):
-            raise ValueError(f"{folder}/{SHARDS_DIRNAME}: {k} has shape {size} there but {tuple(v.shape)} in this "
+            raise ValueError(f"{folder}/{SHARDS_DIRNAME}: {src} has shape {size} there but {tuple(v.shape)} in this "
                              "run's model; the checkpoint is of another model size or family.")
-    with _one_process_quiet():
-        dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+    state = {src: targets[k] for k, src in sources.items()}
+    dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
     for g, saved_group in zip(optimizer.param_groups, settings["param_groups"]):
         g.update({k: v for k, v in saved_group.items() if k != "params"})
     for name, m in models.items():  # the state dict's tensors are the parameters: loaded in place
         prefix = f"model.{name}."
-        m.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        m.load_state_dict({k[len(prefix):]: v for k, v in targets.items() if k.startswith(prefix)})
 
 
 def read_full(folder: Path, prefix: str) -> Dict[str, torch.Tensor]:

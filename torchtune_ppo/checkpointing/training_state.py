@@ -243,9 +243,13 @@ class CheckpointClient:
             self.kl_controller.load_state_dict(state["kl_controller"])
         if self.master_weights is not None and state["optimizer"].get("format") != "sharded":
             if "master_weights" not in state:
-                raise ValueError(f"{checkpoint} holds no fp32 master weights (saved with master_weights=False or "
-                                 "dtype=fp32): resume it with the settings it was saved with.")
+                raise ValueError(f"{checkpoint} holds no fp32 master weights (saved with master_weights=False, "
+                                 "dtype=fp32, or on several processes, whose masters are their fp32 weights): resume "
+                                 "it with the settings and process count it was saved with; a checkpoint_format=sharded "
+                                 "one resumes on any number of processes.")
             self.master_weights.load_state_dict(state["master_weights"])
+        elif "master_weights" in state and world > 1 and state["optimizer"].get("format") != "sharded":
+            distributed.load_full_masters(self.models, state["master_weights"]["masters"])  # into the fp32 shards
         drafts = state.get("speculative_per_rank") or []
         if self.speculation is not None and len(drafts) == world:
             self.speculation.load_state_dict(drafts[distributed.rank()])

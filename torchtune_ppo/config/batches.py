@@ -66,9 +66,9 @@ def check_world_size(cfg: DictConfig, world_size: int) -> None:
                  "regions compile every layer in their own graphs, as with compile.layers=False.")
             cfg.compile.layers = False
         if cfg.dtype == "bf16" and cfg.master_weights:
-            note(f"dtype=bf16 on {world_size} processes: the fp32 master weights are not sharded yet, so this "
-                 "run trains the bf16 weights directly (master_weights=False).")
-            cfg.master_weights = False
+            note(f"dtype=bf16 on {world_size} processes: the trained models' FSDP2 shards are their fp32 master "
+                 "weights (each process holds its 1/W), gathered in bf16 for every forward and backward, "
+                 "gradients reduced in fp32 (MixedPrecisionPolicy).")
     if cfg.share_group_prefill:
         rows = cfg.forward_batch_size // world_size
         what = (f"forward_batch_size={cfg.forward_batch_size}" if world_size == 1 else

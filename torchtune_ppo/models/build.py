@@ -93,6 +93,12 @@ def build_models(cfg: DictConfig, *, device: torch.device, dtype: torch.dtype,
     return Models(policy, ref_policy, value, reward, reference)
 
 
+def sharded_masters(cfg: DictConfig, dtype: torch.dtype) -> bool:
+    """Whether the trained models keep fp32 parameters as FSDP2 shards computed in bf16 (bf16 with
+    ``master_weights`` on several processes), instead of :class:`~torchtune_ppo.run.optim.MasterWeights`."""
+    return distributed.world_size() > 1 and dtype == torch.bfloat16 and bool(cfg.get("master_weights", False))
+
+
 class _Builder:
     """Builds, loads and freezes one model of a run's config at a time."""
 
@@ -107,7 +113,10 @@ class _Builder:
         vocabulary projection computes in fp32 when the config asks for it (:func:`fp32_output`)."""
         cfg = self.cfg
         rng = checkpointing.capture_rng_state()
-        with training.set_default_dtype(self.dtype), self.device:
+        # bf16 with master weights on several processes: a trained model's parameters are fp32 (its
+        # FSDP2 shards are the masters), gathered in bf16 to compute (distributed.shard)
+        dtype = torch.float32 if trainable and sharded_masters(cfg, self.dtype) else self.dtype
+        with training.set_default_dtype(dtype), self.device:
             model = config.instantiate(cfg_model)
         adapters = lora.has_adapters(model)
         if adapters and not trainable:  # a LoRA reward model's adapters stay off: their random init
@@ -125,7 +134,7 @@ class _Builder:
                                   saved=saved)
         else:
             model.load_state_dict(state_dict)
-        training.validate_expected_param_dtype(model.named_parameters(), dtype=self.dtype)
+        training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
         if fp32_logits and cfg.get("fp32_logits", False) and self.dtype != torch.float32:
             fp32_output(model)
         # Dropout would make the trajectory's logprobs disagree with the loss step's.
@@ -142,7 +151,8 @@ class _Builder:
             model.eval()
             model.requires_grad_(False)
         if distributed.world_size() > 1 and (trainable or cfg.shard_frozen_models):
-            distributed.shard(model)  # else the frozen models stay whole on every rank
+            distributed.shard(model, compute_dtype=self.dtype if dtype != self.dtype else None)
+            # else the frozen models stay whole on every rank
         return model
 
 

@@ -153,6 +153,8 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     dtype_bytes = _DTYPE_BYTES[cfg.dtype]
     # bf16 with master weights: the optimizer steps fp32 copies, and its state is fp32 too
     masters = cfg.dtype == "bf16" and cfg.master_weights
+    # on several processes the masters are the trained models' fp32 shards, their gradients fp32 too
+    sharded_masters = masters and W > 1
     state_bytes = 4 if masters else dtype_bytes
     policy = _meta(cfg.policy_model)
     # None: a critic-free run with a function reward builds no model of this kind
@@ -223,12 +225,17 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     rows = {
         **policy_row,
         **value_row,
-        f"gradients (policy{' adapters' if adapted else ''}{value_grads}{'' if W == 1 else f', 1/{W}'})":
-            (biggest if cfg.optimizer_in_bwd else trained / W) * dtype_bytes,
+        f"gradients (policy{' adapters' if adapted else ''}{value_grads}{'' if W == 1 else f', 1/{W}'}"
+        f"{', fp32' if sharded_masters else ''})":
+            (biggest if cfg.optimizer_in_bwd else trained / W) * (4 if sharded_masters else dtype_bytes),
         f"optimizer state ({optimizer_name or 'AdamW'}, {states:g} per parameter{', fp32' if masters else ''}"
         f"{'' if W == 1 else f', 1/{W}'}{'; paged to host memory, not counted' if paged else ''})":
             0.0 if paged else trained * states * state_bytes / W,
-        **({f"fp32 master weights (of the {trained / 1e9:.2f}B trained)": trained * 4 / W} if masters else {}),
+        **({f"fp32 master weights (of the {trained / 1e9:.2f}B trained)": trained * 4 / W}
+           if masters and not sharded_masters else {}),
+        # several processes: the trained shards are the masters, fp32, 2 bytes a parameter beyond the bf16 above
+        **({f"fp32 master weights (the {trained / 1e9:.2f}B trained, 1/{W}: their FSDP2 shards in fp32, "
+            "beyond the bf16 size above)": trained * 2 / W} if sharded_masters else {}),
         f"KV cache ({cfg.forward_batch_size // W} rows x {cache_len} tokens{turns_note})":
             _kv_bytes(policy, cfg.forward_batch_size // W, cache_len, dtype_bytes),
         f"activations (micro-step {rows_per_step} packed rows x {row_len} tokens)":

@@ -176,6 +176,16 @@ def fusable(optimizer: torch.optim.Optimizer) -> Optional[str]:
     return None
 
 
+def master_weights(cfg: Any, params: Iterable[torch.nn.Parameter], step_fn: Any, world_size: int
+                   ) -> Optional["MasterWeights"]:
+    """The run's :class:`MasterWeights` (``dtype: bf16`` with ``master_weights``, one process), or
+    None: fp32 runs, bf16 without masters, and several processes, where the trained models'
+    fp32 FSDP2 shards are the masters (:func:`torchtune_ppo.distributed.shard`)."""
+    if cfg.dtype == "bf16" and cfg.master_weights and world_size == 1:
+        return MasterWeights(params, step_fn)
+    return None
+
+
 class MasterWeights:
     """fp32 master copies of bf16 trained parameters, for ``dtype: bf16`` (``master_weights``).
 
