@@ -118,11 +118,36 @@ def test_a_checkpoint_of_other_models_is_refused_by_name(tmp_path):
     opt2 = torch.optim.AdamW(small["policy"].parameters())
     with pytest.raises(ValueError, match="trained parameters"):
         _client(tmp_path / "o", small, opt2).load(path)
-    # masters asked for, none saved
-    params = [p for m in models.values() for p in m.parameters()]
-    master = MasterWeights(params)
+    # bf16 weights saved without masters, resumed with them: refused (an fp32 checkpoint's
+    # weights, as saved on several processes, would fill them)
+    bf16 = {n: m.to(torch.bfloat16) for n, m in _models().items()}
+    path = _client(tmp_path / "bf16", bf16, torch.optim.AdamW([p for m in bf16.values() for p in m.parameters()])
+                   ).save(1, _progress())
+    master = MasterWeights([p for m in bf16.values() for p in m.parameters()])
     with pytest.raises(ValueError, match="no fp32 master weights"):
-        _client(tmp_path / "p", models, torch.optim.AdamW(master.masters), master).load(path)
+        _client(tmp_path / "p", bf16, torch.optim.AdamW(master.masters), master).load(path)
+
+
+def test_bf16_masters_move_between_one_process_and_the_fp32_shards_of_several(tmp_path):
+    """One process's masters fill fp32 weights (as several processes' shards are), and fp32
+    weights (as saved by several processes) fill one process's masters, whose rounding is the
+    bf16 weights: no master bit is lost either way."""
+    bf16 = {n: m.to(torch.bfloat16) for n, m in _models().items()}
+    opt, master = _trained(bf16, masters=True)
+    path = _client(tmp_path / "one", bf16, opt, master).save(2, _progress())
+    fp32 = _models(seed=1)
+    fp32_opt = torch.optim.AdamW([p for m in fp32.values() for p in m.parameters()])
+    _client(tmp_path / "x", fp32, fp32_opt).load(path)  # as the fp32 shards of several processes
+    fp32_params = [p for m in fp32.values() for p in m.parameters()]
+    assert all(torch.equal(p, m) for p, m in zip(fp32_params, master.masters))
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in master.masters)  # bits below bf16's
+    back_path = _client(tmp_path / "several", fp32, fp32_opt).save(3, _progress())
+    again = {n: m.to(torch.bfloat16) for n, m in _models(seed=2).items()}
+    params = [p for m in again.values() for p in m.parameters()]
+    again_master = MasterWeights(params)
+    _client(tmp_path / "y", again, torch.optim.AdamW(again_master.masters), again_master).load(back_path)
+    assert all(torch.equal(a, m) for a, m in zip(again_master.masters, master.masters))
+    assert all(torch.equal(p, m.bfloat16()) for p, m in zip(params, master.masters))
 
 
 def test_staged_tensors_are_copies_that_later_steps_do_not_change(tmp_path, monkeypatch):

@@ -315,7 +315,6 @@ def _hidden_states_through_root(
     # With the output layer swapped for an identity, forward returns norm(h). The root keeps
     # its parameters gathered after forward, so the caller's model.output(h) reads the gathered
     # weight and its gradient is reduced with the root's.
-    dtype = model.tok_embeddings.weight.dtype
     output, chunks = model.output, model.num_output_chunks
     tied = not isinstance(output, nn.Module)  # TiedLinear is a plain attribute
     if tied:
@@ -331,7 +330,9 @@ def _hidden_states_through_root(
         else:
             model.output = output
         model.num_output_chunks = chunks
-    return h.to(dtype)  # unembed casts to float32
+    # unembed casts to float32: back to the dtype the gathered root computes in (read after the
+    # forward: with bf16 masters the sharded parameters are fp32, the gathered ones bf16)
+    return h.to(model.tok_embeddings.weight.dtype)
 
 
 def in_place_attention(

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config
 from torchtune.modules.peft import get_merged_lora_ckpt
 
-from torchtune_ppo.checkpointing import sharded
+import torchtune_ppo.checkpointing.sharded as sharded
 from torchtune_ppo.checkpointing.store import (CONFIG_FNAME, MODEL_NAMES, CheckpointManager, _read_marker,
                                                _require_complete, latest_checkpoint, load_adapters)
 

@@ -153,7 +153,8 @@ def load_shards(folder: Path, models: Mapping[str, nn.Module], optimizer: torch.
             raise ValueError(f"{folder}/{SHARDS_DIRNAME}: {src} has shape {size} there but {tuple(v.shape)} in this "
                              "run's model; the checkpoint is of another model size or family.")
     state = {src: targets[k] for k, src in sources.items()}
-    dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+    with _one_process_quiet():
+        dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
     for g, saved_group in zip(optimizer.param_groups, settings["param_groups"]):
         g.update({k: v for k, v in saved_group.items() if k != "params"})
     for name, m in models.items():  # the state dict's tensors are the parameters: loaded in place

@@ -18,7 +18,7 @@ from torch import nn
 from torchtune import utils
 
 from torchtune_ppo import distributed, lora
-from torchtune_ppo.checkpointing import sharded
+import torchtune_ppo.checkpointing.sharded as sharded
 from torchtune_ppo.checkpointing.store import CheckpointManager, load_training_state, write_evaluation
 
 log = utils.get_logger("INFO")

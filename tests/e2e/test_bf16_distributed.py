@@ -1,0 +1,77 @@
+"""bf16 with master weights on 2 CPU processes (torchrun, gloo, FSDP2): the trained models' fp32
+shards are the masters, gathered in bf16 to compute, gradients reduced in fp32. Against 1
+process with ``MasterWeights`` and against fp32, on test_distributed's settings (greedy, one
+minibatch of the whole batch, 3 steps), every step saved sharded so that the fp32 weights can
+be read back."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torchtune import config, training
+
+import torchtune_ppo
+from torchtune_ppo.checkpointing import sharded
+
+from test_sharded_checkpoints import _run
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+MODELS = {"policy": ("policy", "LLAMA2"), "value": ("reward", "REWARD")}
+
+
+def _start(name):
+    folder, model_type = MODELS[name]
+    block = OmegaConf.create({"_component_": "torchtune.training.FullModelHFCheckpointer",
+                              "checkpoint_dir": torchtune_ppo.asset_path(f"tiny_sentiment/{folder}"),
+                              "checkpoint_files": ["model.safetensors"], "model_type": model_type,
+                              "output_dir": "/unused"})
+    return {k: v.float() for k, v in config.instantiate(block).load_checkpoint()[training.MODEL_KEY].items()}
+
+
+def _weights(out: Path, name: str, prefix: str = "model"):
+    """The fp32 weights of ``name`` after step 3 (``master``: one process's masters)."""
+    return sharded.read_full(out / "checkpoints/step_3", f"{prefix}.{name}.")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("bf16_distributed")
+    out = {name: base / name for name in ("fp32", "one", "two")}
+    _run(out["fp32"], 1)
+    _run(out["one"], 1, "dtype=bf16")
+    rows = _run(out["two"], 2, "dtype=bf16")
+    return out, rows
+
+
+def test_the_fp32_shards_are_the_masters_and_as_close_to_fp32_as_one_process(runs):
+    """After 3 steps the 2-process run's fp32 weights are no further from the fp32 run's than the
+    1-process masters are, measured as the mean gap over the mean move of the fp32 run (measured
+    2026-12-07: 0.06 and 0.10 against 0.24 and 0.54 for the policy and the value model: the
+    gradients of 2 processes are reduced in fp32, one process's are bf16 before their masters
+    take them). The bf16 weights trained directly (master_weights=False) are 0.49 and 0.79 away."""
+    out, rows = runs
+    assert len(rows) == 3 and rows[2]["kl"] != 0
+    for name in MODELS:
+        start, fp32 = _start(name), _weights(out["fp32"], name)
+        two, one = _weights(out["two"], name), _weights(out["one"], name, "master")
+        assert all(t.dtype == torch.float32 for t in two.values())
+        move = torch.cat([(fp32[k] - start[k]).flatten() for k in fp32]).abs().mean()
+
+        def gap(a):
+            return (torch.cat([(a[k] - fp32[k]).flatten() for k in fp32]).abs().mean() / move).item()
+        assert gap(two) <= gap(one), (name, gap(two), gap(one))
+
+
+def test_updates_below_a_bf16_spacing_are_kept(tmp_path):
+    """At lr 1e-5 the fp32 shards move (measured 94% of the policy's weights, 78% of the value
+    model's) where rounded to bf16 only 21% and 15% would: the rest would be lost by AdamW on
+    bf16 weights."""
+    out = tmp_path / "small"
+    _run(out, 2, "dtype=bf16", "optimizer.lr=1e-5")
+    for name, least in (("policy", 0.8), ("value", 0.6)):
+        start, trained = _start(name), _weights(out, name)
+        moved = torch.cat([(trained[k] != start[k]).flatten() for k in start]).float().mean().item()
+        moved_bf16 = torch.cat([(trained[k].bfloat16() != start[k].bfloat16()).flatten()
+                                for k in start]).float().mean().item()
+        assert moved > least and moved_bf16 < moved / 2, (name, moved, moved_bf16)
