@@ -50,6 +50,11 @@ Usage (one attempt is one process start, ~10-20 s on 2 CPU cores; 50 faults ~15-
 
     python tools/chaos.py --faults 50 --steps 10 --seed 0 --workdir /tmp/ppo-chaos
 
+``--sharded``: every run (the uninterrupted one too) saves ``checkpoint_format: sharded`` with
+``async_save``, so the kills inside a save (also ``after_shards``: every shard written, nothing
+else) hit the background write, a damaged checkpoint may be a damaged shard, and the final
+weights compared are the shards' (weights, optimizer state), bit for bit.
+
 prints one line per attempt and exits 0 when everything matched, 1 otherwise.
 """
 
@@ -73,6 +78,9 @@ FAULTS = ("sigkill", "sigkill_during_save", "sigterm", "reward_raises", "full_di
           "data_edit")
 DATA_FNAME = "prompts.json"  # the run's prompts, a copy of the tiny task's, in the workdir
 SAVE_POINTS = ("after_policy", "after_value", "after_training_state", "before_rename")
+# --sharded: every run saves sharded (checkpoint_format: sharded) in the background (async_save)
+SHARDED_OVERRIDES = ["checkpoint_format=sharded", "async_save=True"]
+SHARDED_SAVE_POINTS = ("after_shards", "after_training_state", "before_rename")
 FAULTS += ("env_hangs", "env_exits", "sigkill_during_eval")
 ENV_FAULTS = ("env_hangs", "env_exits")
 RAISE_ENV = "CHAOS_RAISE_AT_ROLLOUT"  # the n-th rollout of this process raises
@@ -268,6 +276,9 @@ def check_disk(out: Path) -> List[str]:
         for f in p.rglob("*.safetensors"):
             if not all(bool(torch.isfinite(t).all()) for t in load_file(f).values()):
                 problems.append(f"{f}: non-finite weights")
+        if (p / "shards").is_dir() and not all(bool(torch.isfinite(t).all()) for t in _weights(p).values()
+                                               if t.is_floating_point()):
+            problems.append(f"{p}/shards: non-finite weights or optimizer state")
         state = store.load_training_state(p)
         for t in _tensors(state["optimizer"]):
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -310,6 +321,10 @@ def _finished(out: Path, steps: int) -> bool:
 def _weights(step_dir: Path):
     from safetensors.torch import load_file
 
+    from torchtune_ppo.checkpointing import sharded
+
+    if (step_dir / "shards").is_dir():  # --sharded: the weights, optimizer state and masters
+        return sharded.read_full(step_dir, "")
     return {f"{m}/{k}": v for m in ("policy", "value") for f in sorted((step_dir / m).glob("*.safetensors"))
             for k, v in load_file(f).items()}
 
@@ -346,7 +361,7 @@ def _wait_steps(proc: subprocess.Popen, out: Path, n: int, timeout: float) -> No
 def _damage(folder: Path, rng: random.Random) -> str:
     """Overwrite bytes in the middle of one of ``folder``'s weight files or its training state:
     same size, other bytes. Returns the file's name."""
-    files = sorted(folder.glob("*/*.safetensors")) + [folder / "training_state.pt"]
+    files = sorted(folder.glob("*/*.safetensors")) + sorted(folder.glob("shards/*.distcp")) + [folder / "training_state.pt"]
     target = rng.choice(files)
     size = target.stat().st_size
     with open(target, "r+b") as f:
@@ -399,7 +414,8 @@ def attempt(out: Path, steps: int, fault: str, rng: random.Random, startup: floa
                 found.append(f"data_edit: checkpoints changed from {before} to {after}")
             return rc, what, found, applied
     if fault == "sigkill_during_save":
-        hooks["TORCHTUNE_PPO_CRASH_DURING_SAVE"] = point = rng.choice(SAVE_POINTS)
+        sharded = SHARDED_OVERRIDES[0] in _run_overrides
+        hooks["TORCHTUNE_PPO_CRASH_DURING_SAVE"] = point = rng.choice(SHARDED_SAVE_POINTS if sharded else SAVE_POINTS)
         what = f"{fault}:{point}"
     elif fault == "full_disk":
         hooks["TORCHTUNE_PPO_FULL_DISK_DURING_SAVE"] = "1"
@@ -519,6 +535,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ppo-chaos"))
     parser.add_argument("--kinds", default=",".join(FAULTS), help="comma-separated faults to draw from")
+    parser.add_argument("--sharded", action="store_true",
+                        help="every run saves sharded checkpoints in the background (checkpoint_format=sharded, "
+                             "async_save=True); kills inside a save then hit the background write")
     parser.add_argument("--sequence", default=None,
                         help="comma-separated faults to apply in this order (instead of --faults draws)")
     args = parser.parse_args(argv)
@@ -536,6 +555,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "sigkill_during_eval" in (sequence or kinds):
         eval_data = asset_path(f"tiny_sentiment/{DATA_FNAME}")
         _run_overrides.extend([*EVAL_OVERRIDES, f"eval.dataset.data_files={eval_data}"])
+    if args.sharded:
+        _run_overrides.extend(SHARDED_OVERRIDES)
     args.workdir.mkdir(parents=True, exist_ok=True)
 
     shutil.copyfile(asset_path("tiny_sentiment/prompts.json"), args.workdir / DATA_FNAME)

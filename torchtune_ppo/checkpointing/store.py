@@ -100,7 +100,8 @@ SHARDS_DIRNAME = "shards"  # a sharded checkpoint's DCP folder (checkpointing.sh
 _MAX_NAMES = 5  # parameter names listed in a non-finite error
 
 # Test hook: when TORCHTUNE_PPO_CRASH_DURING_SAVE names a point of `CheckpointManager.save`
-# (after_policy, after_value, after_training_state, before_rename; ``<point>:<step>``: only in the
+# (after_policy, after_value, after_training_state, before_rename; a sharded save's after_shards:
+# every rank's shards written, nothing else; ``<point>:<step>``: only in the
 # save of that step), the process SIGKILLs itself there, so tests can check that a crash mid-save
 # never leaves a checkpoint that looks complete.
 _CRASH_ENV = "TORCHTUNE_PPO_CRASH_DURING_SAVE"

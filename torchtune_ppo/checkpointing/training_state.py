@@ -19,6 +19,7 @@ from torchtune import utils
 
 from torchtune_ppo import distributed, lora
 import torchtune_ppo.checkpointing.sharded as sharded
+from torchtune_ppo.checkpointing import store
 from torchtune_ppo.checkpointing.store import CheckpointManager, load_training_state, write_evaluation
 
 log = utils.get_logger("INFO")
@@ -196,7 +197,9 @@ class CheckpointClient:
             self.shards.wait()  # the save in flight completes (and prunes) before the next begins
             tmp = self.manager.prepare(step, self._pid)
             state = copy.deepcopy(state)  # the steps that follow change the lists and dicts in it
-            complete = lambda: self.manager.complete(step, tmp, state, self.run_config, fmt="sharded")  # noqa: E731
+            def complete():  # once every rank's shards are written (in the background with async_save)
+                store._maybe_crash("after_shards", step)  # test hook: a kill between the shards and the rest
+                self.manager.complete(step, tmp, state, self.run_config, fmt="sharded")
         distributed.barrier()  # the folder exists before any rank writes into it
         self.shards.save(tmp, shards, complete, blocking=blocking)
         if blocking:
