@@ -130,3 +130,29 @@ def test_export_gives_a_policy_transformers_loads_with_the_trained_weights(two, 
     assert diff < 1e-4  # the parity tests' bound for a policy through the HF writer
     earlier = sharded.read_full(_step(out, 1), "model.policy.")  # the weights moved: a real comparison
     assert max((trained[k] - earlier[k]).abs().max().item() for k in trained) > 1e-4
+
+
+def test_a_full_checkpoint_resumes_sharded_and_both_export_the_same_model(tmp_path):
+    """One process: a run saved in the full format resumes with checkpoint_format=sharded and
+    repeats the uninterrupted run exactly; the sharded step and the full one export to the
+    same Hugging Face weights."""
+    from safetensors.torch import load_file
+
+    from torchtune_ppo.checkpointing.export import export_checkpoint
+
+    full = tmp_path / "full"
+    rows = _run(full, 1, "checkpoint_format=full", "async_save=False")
+    assert not checkpointing.is_sharded(_step(full, 3))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    shutil.rmtree(_step(resumed, 3))
+    shutil.rmtree(resumed / "logs")
+    again = _run(resumed, 1, "resume_from_checkpoint=True")  # sharded, in the background
+    assert len(again) == 1 and checkpointing.is_sharded(_step(resumed, 3))
+    for key in STATS:
+        assert again[0][key] == rows[2][key], key
+    a = export_checkpoint(_step(full, 3), tmp_path / "from_full")
+    b = export_checkpoint(_step(resumed, 3), tmp_path / "from_sharded")
+    for name in ("policy", "value"):
+        x, y = (load_file(next(d[name].glob("model-*.safetensors"))) for d in (a, b))
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), name
