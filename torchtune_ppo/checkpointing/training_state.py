@@ -19,7 +19,7 @@ from torchtune import utils
 
 from torchtune_ppo import distributed, lora
 import torchtune_ppo.checkpointing.sharded as sharded
-from torchtune_ppo.checkpointing import store
+import torchtune_ppo.checkpointing.store as store
 from torchtune_ppo.checkpointing.store import CheckpointManager, load_training_state, write_evaluation
 
 log = utils.get_logger("INFO")
