@@ -27,15 +27,15 @@ SHARDED = [o for o in OVERRIDES if not o.startswith("save_every_n_steps=")] + [
 STATS = ("scores", "kl", "loss", "policy_loss", "value_loss", "ratios")
 
 
-def _launch(out, nproc, *extra, crash=None):
+def _launch(out, nproc, *extra, crash=None, config=CONFIG):
     launch = ["run"] if nproc == 1 else ["run", "--nproc_per_node", str(nproc), "--standalone"]
-    cmd = [*TUNE, *launch, "ppo_full_finetune", "--config", str(CONFIG), f"output_dir={out}", *SHARDED, *extra]
+    cmd = [*TUNE, *launch, "ppo_full_finetune", "--config", str(config), f"output_dir={out}", *SHARDED, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **({"TORCHTUNE_PPO_CRASH_DURING_SAVE": crash} if crash else {})}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
-def _run(out, nproc, *extra):
-    proc = _launch(out, nproc, *extra)
+def _run(out, nproc, *extra, config=CONFIG):
+    proc = _launch(out, nproc, *extra, config=config)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return read_disk_log(out / "logs")
 
@@ -156,3 +156,39 @@ def test_a_full_checkpoint_resumes_sharded_and_both_export_the_same_model(tmp_pa
     for name in ("policy", "value"):
         x, y = (load_file(next(d[name].glob("model-*.safetensors"))) for d in (a, b))
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), name
+
+
+def test_lora_exports_merged_or_as_adapters_from_either_format(tmp_path):
+    """One process, the LoRA config saved in both formats (the same run): the sharded steps
+    export merged to the weights the full format merges at the run's end (step 3) and to the
+    merge of its adapters-only step 2, and with --adapter to the same adapters and value head."""
+    from safetensors.torch import load_file
+
+    from torchtune_ppo.checkpointing.export import export_checkpoint
+
+    from test_lora_runs import LORA
+
+    full, shard = tmp_path / "full", tmp_path / "sharded"
+    _run(full, 1, "checkpoint_format=full", "async_save=False", config=LORA)
+    _run(shard, 1, config=LORA)
+
+    def same(x, y, what):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), what
+
+    def weights(folder):
+        return load_file(next(folder.glob("model-*.safetensors")))
+
+    merged = export_checkpoint(_step(shard, 3), tmp_path / "merged3")
+    for name in ("policy", "value"):
+        same(weights(merged[name]), weights(_step(full, 3) / name), f"step 3 {name}")
+    assert not list((_step(full, 2) / "policy").glob("model-*"))  # adapters only mid-run
+    pairs = [export_checkpoint(_step(out, 2), tmp_path / f"merged2_{out.name}") for out in (full, shard)]
+    for name in ("policy", "value"):
+        same(weights(pairs[0][name]), weights(pairs[1][name]), f"step 2 {name}")
+    adapters = export_checkpoint(_step(shard, 3), tmp_path / "adapters", adapter=True)
+    for name in ("policy", "value"):
+        same(load_file(adapters[name] / "adapter_model.safetensors"),
+             load_file(_step(full, 3) / name / "adapter_model.safetensors"), f"{name} adapters")
+        assert not list(adapters[name].glob("model-*"))
+    same(load_file(adapters["value"] / "head.safetensors"), load_file(_step(full, 3) / "value" / "head.safetensors"),
+         "value head")
