@@ -565,8 +565,9 @@ SCHEMA: Tuple[Key, ...] = (
         "with `dtype: bf16`: the optimizer steps fp32 copies of the trained weights (its state fp32 too, "
         "both saved in checkpoints) and rounds them into the bf16 weights after each step. false: AdamW on "
         "the bf16 weights, as torchtune's bf16 runs, where a step below half a bf16 spacing (2.4e-4 at "
-        "0.05) rounds to nothing. No effect in fp32; on several processes and with `optimizer_in_bwd` the bf16 "
-        "weights are trained directly (noted at start)"),
+        "0.05) rounds to nothing. On several processes the masters are the trained models' fp32 FSDP2 shards, "
+        "gathered in bf16 to compute (see [Precision](precision.md#bf16-with-fp32-master-weights)). No effect in "
+        "fp32; with `optimizer_in_bwd` the bf16 weights are trained directly (noted at start)"),
     # "auto" leaves one core so that one other busy process does not deschedule an OpenMP
     # thread its peers spin-wait for (measured on 2 cores with one busy process: 2 threads
     # 1.16 s a step, 1 thread 0.36 s; quiet: 0.26 s and 0.37 s).
