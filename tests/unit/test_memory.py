@@ -50,6 +50,25 @@ def test_bf16_master_weights_keep_fp32_copies_and_fp32_optimizer_state():
     assert masters.total == plain.total + trained * 4 + trained * 2 * 2
 
 
+def test_bf16_masters_on_several_processes_are_the_fp32_shards():
+    """On W processes the trained models are kept in fp32 (1/W each: their shards are the
+    masters), their gradients fp32, the frozen copies bf16; no separate master row. Per trained
+    parameter that is the one-process masters' 4 + 2 + 8 bytes for weights, masters and state
+    (plus 2 of bf16 gradients) over W, as fp32 weights, fp32 gradients and state: 4 + 4 + 8."""
+    from torchtune_ppo.config import check_world_size
+
+    cfg = _cfg("dtype=bf16")
+    check_world_size(cfg, 2)
+    plan = memory.memory_plan(cfg, world_size=2)
+    n_policy = sum(p.numel() for p in tiny_policy().parameters())
+    n_value = sum(p.numel() for p in tiny_reward().parameters())
+    rows = list(plan.rows.values())
+    assert rows[0] == n_policy * (4 / 2 + 2) and rows[1] == n_value * (4 / 2 + 2)  # fp32 half, bf16 frozen copy
+    assert rows[2] == (n_policy + n_value) * 4 / 2  # fp32 gradients, sharded
+    assert rows[3] == (n_policy + n_value) * 2 * 4 / 2  # fp32 AdamW state, sharded
+    assert not any("master" in name for name in plan.rows)
+
+
 def test_a_plan_that_cannot_fit_is_refused(monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1024.0)
     plan = memory.memory_plan(_cfg())

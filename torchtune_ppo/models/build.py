@@ -127,7 +127,8 @@ class _Builder:
         checkpointing.check_shapes(model, state_dict, checkpointer_key)
         checkpointing.check_loaded_finite(state_dict, checkpointer_key)
         if reward_head is not None and shares_reward_value_base(cfg, value_is_lora=adapters):
-            reward_head["output"] = lora.checkpoint_head(model, state_dict)  # before a resume loads the trained one
+            # before a resume loads the trained one; in the dtype the base computes in (bf16 masters: not fp32)
+            reward_head["output"] = lora.checkpoint_head(model, state_dict).to(self.dtype)
         if adapters:  # the base frozen; the adapters (and a value head) train, or stay off for good
             saved = (checkpointing.load_adapters(*resume_from), resume_from[0]) if trainable and resume_from else None
             lora.setup_lora_model(model, state_dict, checkpointer_key, trainable=trainable, train_head=train_head,

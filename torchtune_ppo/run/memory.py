@@ -198,25 +198,31 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
     paged = optimizer_name.startswith(_PAGED_PREFIX)
     frozen = 1 / W if cfg.shard_frozen_models else 1.0  # share of a frozen model per device
     # 1 process: "(0.16B each)"; W: "(0.16B; policy 1/8, reference whole)"
-    shares = "" if W == 1 else f"; {{}} 1/{W}, {{}} {'1/' + str(W) if frozen < 1 else 'whole'}"
+    # bf16 masters on several processes: a trained model (a LoRA one's base too) is kept in fp32,
+    # its shards the masters; the frozen models stay bf16
+    trained_bytes, fp32 = (4, " in fp32") if sharded_masters else (dtype_bytes, "")
+    shares = "" if W == 1 else f"; {{}} 1/{W}{fp32}, {{}} {'1/' + str(W) if frozen < 1 else 'whole'}"
     policy_row = {
         f"policy + reference parameters ({n_policy / 1e9:.2f}B"
         f"{shares.format('policy', 'reference') if W > 1 else ' each'})":
-            (1 / W + frozen) * n_policy * dtype_bytes,
+            n_policy * (trained_bytes / W + frozen * dtype_bytes),
     } if not adapted else {  # sharded like a trained model, base included
         f"policy parameters (base {(n_policy - n_adapters) / 1e9:.2f}B + adapters "
-        f"{n_adapters / 1e6:.1f}M; reference: the base{'' if W == 1 else f'; 1/{W}'})": n_policy * dtype_bytes / W,
+        f"{n_adapters / 1e6:.1f}M; reference: the base{'' if W == 1 else f'; 1/{W}{fp32}'})":
+            n_policy * trained_bytes / W,
     }
     if critic and shares_reward_value_base(cfg, value_is_lora=value_adapted):
         n_head = sum(p.numel() for p in value.output.parameters())
         value_row = {f"value + reward parameters (one {n_value / 1e9:.2f}B base; reward: adapters off, "
-                     f"own head{'' if W == 1 else f'; base 1/{W}'})": (n_value / W + n_head) * dtype_bytes}
+                     f"own head{'' if W == 1 else f'; base 1/{W}{fp32}'})":
+                     n_value * trained_bytes / W + n_head * dtype_bytes}
     elif critic and cfg.reward is not None:  # a function reward: no reward model
-        value_row = {f"value parameters ({n_value / 1e9:.2f}B{'' if W == 1 else f', 1/{W}'}; reward: a function)":
-                     n_value * dtype_bytes / W}
+        value_row = {f"value parameters ({n_value / 1e9:.2f}B{'' if W == 1 else f', 1/{W}{fp32}'}; reward: a function)":
+                     n_value * trained_bytes / W}
     elif critic:
         value_row = {f"value + reward parameters ({n_value / 1e9:.2f}B"
-                     f"{shares.format('value', 'reward') if W > 1 else ' each'})": (1 / W + frozen) * n_value * dtype_bytes}
+                     f"{shares.format('value', 'reward') if W > 1 else ' each'})":
+                     n_value * (trained_bytes / W + frozen * dtype_bytes)}
     else:  # the frozen reward model only, if the reward is not a function
         share = "" if W == 1 else f", {'1/' + str(W) if frozen < 1 else 'whole'}"
         value_row = {f"reward parameters ({n_value / 1e9:.2f}B{share}; no value model)":
@@ -231,11 +237,9 @@ def memory_plan(cfg: DictConfig, prompt_len: Optional[int] = None, world_size: i
         f"optimizer state ({optimizer_name or 'AdamW'}, {states:g} per parameter{', fp32' if masters else ''}"
         f"{'' if W == 1 else f', 1/{W}'}{'; paged to host memory, not counted' if paged else ''})":
             0.0 if paged else trained * states * state_bytes / W,
+        # on several processes the masters are the fp32 parameters counted above
         **({f"fp32 master weights (of the {trained / 1e9:.2f}B trained)": trained * 4 / W}
            if masters and not sharded_masters else {}),
-        # several processes: the trained shards are the masters, fp32, 2 bytes a parameter beyond the bf16 above
-        **({f"fp32 master weights (the {trained / 1e9:.2f}B trained, 1/{W}: their FSDP2 shards in fp32, "
-            "beyond the bf16 size above)": trained * 2 / W} if sharded_masters else {}),
         f"KV cache ({cfg.forward_batch_size // W} rows x {cache_len} tokens{turns_note})":
             _kv_bytes(policy, cfg.forward_batch_size // W, cache_len, dtype_bytes),
         f"activations (micro-step {rows_per_step} packed rows x {row_len} tokens)":
