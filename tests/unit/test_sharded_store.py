@@ -1,6 +1,6 @@
 """Sharded checkpoints on one process: the round trip of weights, optimizer state and fp32
 masters, staging for background saves, one save in flight, damaged shards set aside, and
-``tune-ppo export`` from both formats (the runs on several processes: e2e/test_sharded_checkpoints)."""
+``tune-ppo export`` from both formats (the runs on several processes: e2e/test_sharded_checkpoints.py)."""
 
 import threading
 from pathlib import Path
