@@ -75,3 +75,19 @@ def test_updates_below_a_bf16_spacing_are_kept(tmp_path):
         moved_bf16 = torch.cat([(trained[k].bfloat16() != start[k].bfloat16()).flatten()
                                 for k in start]).float().mean().item()
         assert moved > least and moved_bf16 < moved / 2, (name, moved, moved_bf16)
+
+
+def test_a_lora_run_with_one_shared_base_trains_its_fp32_adapters(tmp_path):
+    """The LoRA config on 2 processes in bf16: the policy and the value model (base included:
+    FSDP2 keeps one dtype a group) are fp32 shards computed in bf16, and the reward model, the
+    value model's base with its adapters off and the checkpoint's head, computes in bf16 too."""
+    from test_lora_runs import LORA
+
+    out = tmp_path / "lora"
+    rows = _run(out, 2, "dtype=bf16", config=LORA)
+    assert len(rows) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    for name in MODELS:
+        weights = _weights(out, name)
+        adapters = {k: v for k, v in weights.items() if "lora_b" in k}
+        assert adapters and all(t.dtype == torch.float32 for t in weights.values())
+        assert max(t.abs().max().item() for t in adapters.values()) > 0  # lora_b starts at 0: trained
