@@ -34,6 +34,18 @@ def _weights(out: Path, name: str, prefix: str = "model"):
     return sharded.read_full(out / "checkpoints/step_3", f"{prefix}.{name}.")
 
 
+def test_only_bf16_masters_on_several_processes_keep_fp32_shards(monkeypatch):
+    from torchtune_ppo import distributed
+    from torchtune_ppo.models.build import sharded_masters
+
+    masters = OmegaConf.create({"master_weights": True})
+    assert not sharded_masters(masters, torch.bfloat16)  # one process: MasterWeights
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    assert sharded_masters(masters, torch.bfloat16)
+    assert not sharded_masters(masters, torch.float32)
+    assert not sharded_masters(OmegaConf.create({"master_weights": False}), torch.bfloat16)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("bf16_distributed")
