@@ -12,24 +12,26 @@ from pathlib import Path
 import pytest
 import torch
 
+from ppo_full_finetune import PPOFullFinetuneRecipe
 from test_distributed import CONFIG, OVERRIDES, ROOT
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
 
-WORKER = '''
+# Run by every rank: the recipe set up as `tune run` sets it up, then each rank's streams gathered.
+WORKER = f'''
 import json, sys
 import torch
 from omegaconf import OmegaConf
-from ppo_full_finetune import PPOFullFinetuneRecipe
+from {PPOFullFinetuneRecipe.__module__} import PPOFullFinetuneRecipe
 from torchtune_ppo import distributed
 from torchtune_ppo.config import validate_config
 
 config, out, result, *overrides = sys.argv[1:]
-cfg = validate_config(OmegaConf.merge(OmegaConf.load(config), OmegaConf.from_dotlist([f"output_dir={out}", *overrides])))
+cfg = validate_config(OmegaConf.merge(OmegaConf.load(config), OmegaConf.from_dotlist(["output_dir=" + out, *overrides])))
 recipe = PPOFullFinetuneRecipe(cfg)
 recipe.setup(cfg)
-mine = {"sampling_seed": recipe._rng.initial_seed(), "global_seed": torch.initial_seed(),
-        "sampling_draw": torch.rand(4, generator=recipe._rng).tolist(), "global_draw": torch.rand(4).tolist()}
+mine = {{"sampling_seed": recipe._rng.initial_seed(), "global_seed": torch.initial_seed(),
+         "sampling_draw": torch.rand(4, generator=recipe._rng).tolist(), "global_draw": torch.rand(4).tolist()}}
 every = distributed.all_gather_objects(mine)
 if distributed.rank() == 0:
     open(result, "w").write(json.dumps(every))

@@ -2,6 +2,7 @@
 masters, staging for background saves, one save in flight, damaged shards set aside, and
 ``tune-ppo export`` from both formats (the runs on several processes: e2e/test_sharded_checkpoints.py)."""
 
+import json
 import threading
 from pathlib import Path
 
@@ -251,3 +252,39 @@ def test_export_writes_the_trained_weights_from_either_format(tmp_path):
             assert torch.equal(loaded[k], t), (name, k)
     with pytest.raises(FileExistsError, match="already holds files"):
         export_checkpoint(path, tmp_path / "from_sharded")
+
+
+def test_a_sharded_marker_without_metadata_and_shards_is_incomplete(tmp_path):
+    """A marker that says sharded but lists no shards/.metadata or no shard file (written before
+    the shards were complete) makes no checkpoint, even with every listed file present."""
+    models = _models()
+    opt, _ = _trained(models, steps=1)
+    path = Path(_client(tmp_path, models, opt).save(1, _progress()))
+    marker = ckpt._read_marker(path)
+    for drop in ("shards/.metadata", "shards/__0_0.distcp"):
+        edited = {**marker, "files": {k: v for k, v in marker["files"].items() if k != drop},
+                  "sha256": {k: v for k, v in marker["sha256"].items() if k != drop}}
+        (path / ckpt.MARKER_FNAME).write_text(json.dumps(edited))
+        assert ckpt._invalid_reason(path) is not None and ckpt.latest_checkpoint(tmp_path) is None, drop
+
+
+def test_a_background_save_writes_the_training_state_of_its_step(tmp_path, monkeypatch):
+    """The training state a background save writes is the one of its step, though the run's
+    records (the evaluations' history) grow while the write waits."""
+    release = threading.Event()
+    real_write = sharded._write
+
+    def held_write(tmp, state, group):
+        release.wait(30)
+        real_write(tmp, state, group)
+
+    monkeypatch.setattr(sharded, "_write", held_write)
+    models = _models()
+    opt, _ = _trained(models, steps=1)
+    client = _client(tmp_path, models, opt, async_save=True)
+    progress = {**_progress(), "evaluation": {"history": [{"step": 2, "score": 0.5}]}}
+    path = client.save(2, progress)
+    progress["evaluation"]["history"].append({"step": 3, "score": 0.7})  # the next step's evaluation
+    release.set()
+    client.close()
+    assert ckpt.load_training_state(path)["evaluation"] == {"history": [{"step": 2, "score": 0.5}]}
