@@ -46,6 +46,38 @@ def test_only_bf16_masters_on_several_processes_keep_fp32_shards(monkeypatch):
     assert not sharded_masters(OmegaConf.create({"master_weights": False}), torch.bfloat16)
 
 
+SHARD_CHECK = '''
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torchtune_ppo import distributed
+from torchtune_ppo.tasks.tiny_sentiment import tiny_policy
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+model = tiny_policy()
+distributed.shard(model, compute_dtype=torch.bfloat16)
+# FSDP2 keeps its policy on each module's state (no public getter in torch 2.13)
+policies = {(m._get_fsdp_state()._mp_policy.param_dtype, m._get_fsdp_state()._mp_policy.reduce_dtype)
+            for m in model.modules() if isinstance(m, FSDPModule)}
+print(sorted(str(d) for pair in policies for d in pair), sorted({str(p.dtype) for p in model.parameters()}))
+dist.destroy_process_group()
+'''
+
+
+def test_the_shards_compute_in_bf16_and_reduce_gradients_in_fp32(tmp_path):
+    """Every FSDP2 group of a model sharded for bf16 masters gathers bf16 and reduces gradients
+    in fp32 (a bf16 reduction rounds each sum to 8 bits before the fp32 master takes it), and
+    the parameters stay fp32; on a one-process group, in a process of its own."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", SHARD_CHECK, str(tmp_path / "store")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "['torch.bfloat16', 'torch.float32'] ['torch.float32']"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("bf16_distributed")
