@@ -221,10 +221,15 @@ def keyed_by_name(optimizer_state: Dict[str, Any]) -> bool:
     return bool(params) and isinstance(params[0], str)
 
 
+def trained_names(models: Dict[str, nn.Module]) -> List[str]:
+    """``<model>.<fqn>`` of every trained parameter, in the order the optimizer holds them: the
+    policy's, then the value model's (a LoRA model's frozen base is not among them)."""
+    return [f"{prefix}.{n}" for prefix, m in models.items() for n, p in m.named_parameters() if p.requires_grad]
+
+
 def _by_name(models: Dict[str, nn.Module], optimizer_state: Dict[str, Any]) -> Dict[str, Any]:
-    # Optimizer.state_dict() numbers the parameters in the order the optimizer was given them:
-    # the policy's trained ones, then the value model's (a LoRA model's frozen base is not in it).
-    names = [f"{prefix}.{n}" for prefix, m in models.items() for n, p in m.named_parameters() if p.requires_grad]
+    # Optimizer.state_dict() numbers the parameters in the order the optimizer was given them.
+    names = trained_names(models)
     return {
         "state": {names[i]: v for i, v in optimizer_state["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]}

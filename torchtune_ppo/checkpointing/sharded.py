@@ -40,16 +40,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtune import utils
 
+from torchtune_ppo import distributed
 from torchtune_ppo.checkpointing.store import SHARDS_DIRNAME
 
 log = utils.get_logger("INFO")
 
 FORMATS = ("full", "sharded")
-
-
-def trained_names(models: Mapping[str, nn.Module]) -> List[str]:
-    """``<model>.<fqn>`` of every trained parameter, in the order the optimizer holds them."""
-    return [f"{name}.{n}" for name, m in models.items() for n, p in m.named_parameters() if p.requires_grad]
 
 
 def shard_state(models: Mapping[str, nn.Module], optimizer: torch.optim.Optimizer,
@@ -60,7 +56,7 @@ def shard_state(models: Mapping[str, nn.Module], optimizer: torch.optim.Optimize
     out: Dict[str, torch.Tensor] = {}
     for name, m in models.items():
         out.update({f"model.{name}.{k}": v for k, v in m.state_dict().items()})
-    names = trained_names(models)
+    names = distributed.trained_names(dict(models))
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if len(params) != len(names):
         raise ValueError(f"the optimizer holds {len(params)} parameters, the trained models {len(names)}: "
@@ -77,7 +73,7 @@ def shard_state(models: Mapping[str, nn.Module], optimizer: torch.optim.Optimize
 def optimizer_settings(models: Mapping[str, nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """The optimizer's param_groups (parameters by name) and which parameters have a state:
     the part of it that is not sharded, for ``training_state.pt``."""
-    names = iter(trained_names(models))
+    names = iter(distributed.trained_names(dict(models)))
     groups, stateful = [], []
     for g in optimizer.param_groups:
         group_names = [next(names) for _ in g["params"]]
@@ -113,7 +109,7 @@ def load_shards(folder: Path, models: Mapping[str, nn.Module], optimizer: torch.
     Raises:
         ValueError: the shards miss a tensor this run trains, or a shape differs (another model).
     """
-    names = trained_names(models)
+    names = distributed.trained_names(dict(models))
     saved_names = [n for g in settings["param_groups"] for n in g["params"]]
     if saved_names != names:
         missing = sorted(set(names) - set(saved_names))[:3] or sorted(set(saved_names) - set(names))[:3]
