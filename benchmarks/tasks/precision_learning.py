@@ -35,7 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {
     "full": "recipes/configs/smollm2/135M_ppo_arithmetic.yaml",
     "lora": "recipes/configs/smollm2/135M_lora_ppo_arithmetic.yaml",
+    "full_mixed": "recipes/configs/smollm2/135M_ppo_arithmetic_mixed.yaml",
+    "lora_mixed": "recipes/configs/smollm2/135M_lora_ppo_arithmetic_mixed.yaml",
 }
+OOD = "val/ood/pass@1"
 METRIC = "val/heldout/pass@1"
 TARGET = 0.5
 
@@ -90,6 +93,7 @@ def summarize(run_dir: Path) -> Dict[str, Any]:
         if reached is None and row[METRIC] >= TARGET:
             reached = {"step": step, "accuracy": row[METRIC], "minutes": round(minutes, 2)}
     k = min(10, len(steps))
+    ood = [(step, row[OOD]) for step, row in evals if OOD in row]
     return {
         "steps": len(steps),
         "accuracy_start": curve[0]["accuracy"], "accuracy_end": curve[-1]["accuracy"],
@@ -100,6 +104,7 @@ def summarize(run_dir: Path) -> Dict[str, Any]:
         "median_step_s": round(statistics.median(r["time/step"] for r in steps[1:] or steps), 3),
         "eval_s": [round(r.get("time/eval", 0.0), 1) for _, r in evals],
         "curve": curve,
+        **({"ood_start": ood[0][1], "ood_end": ood[-1][1], "ood_curve": ood} if ood else {}),
     }
 
 
