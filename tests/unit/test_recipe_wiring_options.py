@@ -1,7 +1,10 @@
 """Options whose only effect is through recipes/ppo_full_finetune.py, checked at a value other than
 the default on the tiny task in this process (eager, a few seconds each): a sampling temperature
 reaching the loss step's logprobs, ``penalise_no_eos`` reaching the scores, the adaptive KL
-coefficient carried across a resume, and the token means of the ``rollout_corr/*`` metrics."""
+coefficient carried across a resume, the token means of the ``rollout_corr/*`` metrics; the save
+rules (``save_every_n_steps`` in global steps after value pretraining, ``save_every_n_epochs``
+with the loader's batches an epoch) and ``keep_last_n_checkpoints`` through the run's loop; the
+batch's references reaching a reward function."""
 
 import pytest
 import torch
@@ -95,3 +98,91 @@ def test_rollout_corr_means_are_over_tokens(make_recipe, correction):
     assert metrics["rollout_corr/abs_diff_max"] == pytest.approx(float(d.abs().max()), abs=1e-4)
     assert metrics["rollout_corr/kl_k3"] == pytest.approx(float((torch.expm1(d) - d).sum()) / tokens, rel=1e-2)
     assert metrics["rollout_corr/log_ratio_mean"] != pytest.approx(float(d.sum()) / rows, abs=1e-3)
+
+
+# ---- the save rules and the pruning, through the recipe's loop --------------------------------
+
+
+def _fake_steps(recipe):
+    """The recipe's loop with each step's work replaced by a row of metrics (a value loss that
+    keeps value pretraining going): what is left is the loop's own bookkeeping, its save rules
+    and its checkpoint manager. Returns the list of steps the recipe saved."""
+    saved, save = [], recipe.save_checkpoint
+
+    def step(*args, **kwargs):
+        return {"scores": 0.0, "kl": 0.0, "time/generate": 0.0, "value_loss": 1.0}
+
+    def recording(step_, rng=None):
+        saved.append(step_)
+        return save(step_, rng)
+
+    recipe.train_step, recipe.save_checkpoint = step, recording
+    return saved
+
+
+def _prompts(tmp_path, n):
+    import json
+
+    import torchtune_ppo
+
+    with open(torchtune_ppo.asset_path("tiny_sentiment/prompts.json")) as f:
+        data = tmp_path / f"prompts_{n}.json"
+        data.write_text(json.dumps(json.load(f)[:n]))
+    return str(data)
+
+
+def test_save_every_n_steps_counts_value_pretraining_steps(make_recipe, tmp_path):
+    """Steps are numbered pretraining's first: 3 pretraining steps then 4 PPO steps are global
+    steps 1-7, so ``save_every_n_steps=2`` saves after global steps 2, 4 and 6 (not PPO steps 2
+    and 4, which are global 5 and 7), and the last step at the end."""
+    recipe, _ = make_recipe(num_ppo_steps=4, save_every_n_steps=2, keep_last_n_checkpoints="null",
+                            **{"value_pretrain.max_steps": 3})
+    saved = _fake_steps(recipe)
+    recipe.train()
+    assert saved == [2, 4, 6, 7]
+    assert sorted(p.name for p in (tmp_path / "run0" / "checkpoints").glob("step_*")) == [
+        f"step_{s}" for s in (2, 4, 6, 7)]
+
+
+def test_save_every_n_epochs_takes_the_loaders_batches_per_epoch(make_recipe, tmp_path):
+    """24 prompts in batches of 8: 3 batches an epoch, so ``save_every_n_epochs=2`` saves after
+    step 6 (the last batch of epoch 2), then the last step (7) at the end."""
+    recipe, _ = make_recipe(num_ppo_steps=7, save_every_n_epochs=2, save_every_n_steps="null",
+                            keep_last_n_checkpoints="null", **{"dataset.data_files": _prompts(tmp_path, 24)})
+    assert len(recipe._dataloader) == 3
+    saved = _fake_steps(recipe)
+    recipe.train()
+    assert saved == [6, 7]
+
+
+def test_keep_last_n_checkpoints_prunes_the_recipes_saves(make_recipe, tmp_path):
+    """``keep_last_n_checkpoints=2`` reaches the checkpoint manager the recipe saves with: of the
+    saves after steps 1-5, the last two are left."""
+    recipe, _ = make_recipe(num_ppo_steps=5, save_every_n_steps=1, keep_last_n_checkpoints=2)
+    saved = _fake_steps(recipe)
+    recipe.train()
+    assert saved == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in (tmp_path / "run0" / "checkpoints").glob("step_*")) == ["step_4", "step_5"]
+
+
+def test_references_reach_a_function_reward(make_recipe):
+    """The arithmetic task's reward is a function of each response and its row's reference
+    answer: in the run's loop the function is given the batch's references, row for row."""
+    import functools
+
+    recipe, _ = make_recipe("ppo_tiny_arithmetic.yaml", ppo_epochs=1, num_ppo_steps=1,
+                            **{"eval.every_n_steps": "null", "eval.before_training": False})
+    reward = recipe._rollout.reward
+    fn, given = reward.fn, []
+
+    @functools.wraps(fn)
+    def recording(*args, **kwargs):
+        given.extend(kwargs["references"])
+        return fn(*args, **kwargs)
+
+    reward.fn = recording
+    recipe._sampler.set_epoch(0)
+    batch = next(iter(recipe._dataloader))  # the first step's, as the run's loop draws it
+    assert batch["references"] and len(set(batch["references"])) > 1
+    recipe.train()
+    assert given == list(batch["references"])
