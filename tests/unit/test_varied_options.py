@@ -278,6 +278,39 @@ def test_logged_stats_under_each_aggregation_by_hand(aggregation):
     assert len({round(v, 6) for v in others.values()}) == 4
 
 
+def test_the_mismatch_kept_is_the_first_minibatchs_before_any_update():
+    """``rollout_corr/*`` are measured at a step's first minibatch, before the optimizer has
+    stepped (the rollout's weights): with 2 minibatches of 2 rows and 2 PPO epochs under a large
+    learning rate, what is kept is ``-D`` (old logprobs ``pi + D``) over the first minibatch's
+    rows, not a later minibatch's gap after the weights moved."""
+    from torchtune_ppo.rlhf.correction import mismatch_stats
+
+    policy, value, traj, advantages, returns, _, valid = _ragged_models_and_batch()
+    optimizer = torch.optim.SGD([*policy.parameters(), *value.parameters()], lr=5.0)
+    settings = LossSettings(epsilon=EPSILON, value_clip_range=VALUE_CLIP, value_coeff=VALUE_COEFF)
+    update = PPOUpdate(policy, value, optimizer, None, packed_ppo_loss_step, batch_size=4, ppo_batch_size=2,
+                       ppo_epochs=2, gradient_accumulation_steps=1, prompt_len=P, response_len=T,
+                       temperature=1.0, loss=settings, clip_grad_norm=None, optimizer_in_bwd=False)
+    torch.manual_seed(0)
+    first = torch.randperm(4).tolist()[:2]  # the first epoch's first minibatch
+    torch.manual_seed(0)
+    before = [p.detach().clone() for p in policy.parameters()]
+    result = update(traj, advantages, returns, PhaseTimer(torch.device("cpu")), step=1)
+    assert result.skipped_updates == 0
+    rows = torch.tensor(first)
+    want = mismatch_stats(-D[rows].float(), torch.zeros(2, T), valid[rows]).metrics()
+    got = result.mismatch.metrics()
+    for key, value_ in want.items():
+        assert got[key] == pytest.approx(value_, abs=1e-5), key
+    # not vacuous: the policy moved, so a gap measured after an update is another
+    with torch.no_grad():
+        logits = policy(traj.query_responses, mask=traj.masks, input_pos=traj.position_ids)
+    now = torch.log_softmax(logits[:, P - 1 : -1].double(), -1).gather(2, traj.query_responses[:, P:, None])[..., 0]
+    later = mismatch_stats(now.float()[rows], traj.logprobs[rows], valid[rows]).metrics()
+    assert abs(later["rollout_corr/log_ratio_mean"] - want["rollout_corr/log_ratio_mean"]) > 1e-2
+    assert max((a - b).abs().max().item() for a, b in zip(before, policy.parameters())) > 0
+
+
 # ---- each aggregation's token weight, with gradient accumulation ----------------------------
 
 
