@@ -231,7 +231,14 @@ ROOT = __import__("pathlib").Path(__file__).parents[2]
 @pytest.mark.parametrize("config, overrides, pattern", [
     ("ppo_tiny_tools.yaml", [], r"speculative.enabled=True with env \(multi-turn episodes\).*speculative.enabled=False"),
     ("ppo_tiny_sentiment.yaml", ["compile.rollout=True"], r"speculative.enabled=True with compile.rollout=True"),
-    ("ppo_tiny_sentiment.yaml", ["speculative.draft=last"], r"speculative.draft must be one of \['previous', 'ngram', 'none'\]"),
+    ("ppo_tiny_sentiment.yaml", ["speculative.draft=last"],
+     r"speculative.draft must be one of \['previous', 'ngram', 'drafter', 'none'\]"),
+    ("ppo_tiny_sentiment.yaml", ["speculative.draft=drafter"],
+     r"speculative.draft=drafter with speculative.drafter=null: a drafter component"),
+    ("ppo_tiny_sentiment.yaml", ["speculative.drafter._component_=test_speculative.LastResponseDrafter"],
+     r"speculative.draft=previous with speculative.drafter=set"),
+    ("ppo_tiny_sentiment.yaml", ["speculative.draft=drafter", "speculative.drafter._component_=my_drafts.Drafter"],
+     r"speculative.drafter._component_.*my_drafts"),
     ("ppo_tiny_sentiment.yaml", ["speculative.max_draft_tokens=0"], r"speculative.max_draft_tokens"),
     ("ppo_tiny_sentiment.yaml", ["speculative.drafts=3"], r"speculative.*unknown.*drafts|drafts.*speculative"),
 ])
@@ -301,3 +308,111 @@ def test_ngram_speculation_passes_no_stored_drafts():
     _, ids = spec.keys(prompts, lens, step=0)
     spec.record(ids, torch.zeros(4, T, dtype=torch.long), torch.full((4,), 3))
     assert spec.drafts(ids) == [None] * 4 and len(spec.store) == 0
+
+
+# ---- a user's own drafter (draft: drafter) ----------------------------------------------------
+
+
+class LastResponseDrafter:
+    """A drafter as a user writes one: each (prompt, sample index)'s last response, kept in
+    ``record``, with a state dict. ``calls`` counts what it was asked."""
+
+    def __init__(self, shift: int = 0):
+        self.shift, self.last, self.calls = shift, {}, []
+
+    def __call__(self, prompts, sample_indices):
+        self.calls.append((prompts, sample_indices))
+        return [None if (tuple(p), i) not in self.last else [(t + self.shift) % VOCAB for t in self.last[tuple(p), i]]
+                if self.shift else self.last[tuple(p), i] for p, i in zip(prompts, sample_indices)]
+
+    def record(self, prompts, sample_indices, responses):
+        for p, i, r in zip(prompts, sample_indices, responses):
+            self.last[tuple(p), i] = list(r)
+
+    def state_dict(self):
+        return {"last": [[list(p), i, r] for (p, i), r in self.last.items()]}
+
+    def load_state_dict(self, state):
+        self.last = {(tuple(p), i): r for p, i, r in state["last"]}
+
+
+@pytest.mark.parametrize("shift", [0, 1], ids=["right", "wrong"])
+def test_a_drafters_drafts_give_plain_decodings_response(model, shift):
+    """A user's drafter is asked with each row's prompt tokens and sample index, sees what was
+    sampled, and its drafts, right or wrong, leave the samples as plain decoding's."""
+    from torchtune_ppo.rollout.speculative import real_prompts
+
+    gen = generator(model, top_k=20)
+    prompts, lens = prompts_of(LENS)
+    drafter = LastResponseDrafter(shift)
+    spec = Speculation(seed=0, draft="drafter", noise="per_prompt", drafter=drafter)
+    keys, ids = spec.keys(prompts, lens, step=0)
+    real = real_prompts(prompts, lens)
+    assert real == [prompts[r, P - n:].tolist() for r, n in enumerate(LENS)]
+    plain = gen.generate(prompts, lens, noise_keys=keys)
+    assert spec.drafts(ids, real, vocab_size=VOCAB) == [None] * 4  # nothing recorded yet
+    responses = plain.query_responses[:, P:]
+    spec.record(ids, responses, valid(responses).sum(-1), real)
+    drafts = spec.drafts(ids, real, vocab_size=VOCAB)
+    assert drafter.calls[-1] == (real, [0, 0, 0, 0])
+    assert drafts[0][:3] == [(t + shift) % VOCAB for t in responses[0, :3].tolist()]
+    gen.spec_stats.reset()
+    out = gen.generate(prompts, lens, noise_keys=keys, drafts=drafts)
+    assert torch.equal(out.query_responses, plain.query_responses)
+    acceptance = gen.spec_stats.metrics()["spec/acceptance"]
+    assert acceptance > 0.9 if shift == 0 else acceptance < 0.1
+    # its state goes into the run's checkpoints and comes back
+    again = Speculation(seed=0, draft="drafter", noise="per_prompt", drafter=LastResponseDrafter(shift))
+    again.load_state_dict(spec.state_dict())
+    assert again.drafts(ids, real, vocab_size=VOCAB) == drafts
+
+
+@pytest.mark.parametrize("answer, pattern", [
+    (lambda p, i: [[1, 2]] * (len(p) - 1), r"4 rows, got 3 items"),
+    (lambda p, i: "abc", r"4 rows, got str"),
+    (lambda p, i: [[1, 2], None, "7 8", None], r"row 2's draft is str 7 8, not token ids"),
+    (lambda p, i: [[1, 2.0], None, None, None], r"row 0's draft is list .*not token ids"),
+    (lambda p, i: [None, [3, VOCAB], None, None], rf"row 1's draft has token id {VOCAB}, outside the vocabulary"),
+    (lambda p, i: [None, None, None, [-1]], r"row 3's draft has token id -1"),
+])
+def test_a_drafters_bad_answer_is_refused_by_name(answer, pattern):
+    spec = Speculation(seed=0, draft="drafter", drafter=answer)
+    prompts, lens = prompts_of(LENS)
+    from torchtune_ppo.rollout.speculative import real_prompts
+
+    _, ids = spec.keys(prompts, lens, step=0)
+    with pytest.raises(ValueError, match="speculative.drafter must return one draft per row.*" + pattern):
+        spec.drafts(ids, real_prompts(prompts, lens), vocab_size=VOCAB)
+    # tensors and arrays of token ids are taken
+    ok = Speculation(seed=0, draft="drafter", drafter=lambda p, i: [torch.tensor([1, 2]), None, [3], []])
+    assert ok.drafts(ids, real_prompts(prompts, lens), vocab_size=VOCAB) == [[1, 2], None, [3], []]
+    with pytest.raises(TypeError, match="speculative.drafter: int is not callable"):
+        Speculation(seed=0, draft="drafter", drafter=3)
+
+
+def test_a_drafter_named_in_the_config_runs_in_the_recipe(make_recipe, tmp_path):
+    """``draft: drafter`` with ``speculative.drafter._component_``: the recipe builds it, the
+    second visit of each prompt is drafted by it (one batch an epoch, one noise round) as the
+    built-in ``previous`` drafts it, and the run's samples are those of the run without drafts."""
+    import json
+
+    with open(torchtune_ppo.asset_path("tiny_sentiment/prompts.json")) as f:
+        data = tmp_path / "prompts.json"
+        data.write_text(json.dumps(json.load(f)[:8]))  # one batch an epoch: step 2 sees step 1's prompts
+    common = {"dataset.data_files": str(data), "num_ppo_steps": 2, "speculative.enabled": True,
+              "speculative.noise": "per_prompt"}
+    runs = {}
+    for name, extra in (("none", {"speculative.draft": "none"}), ("previous", {}),
+                        ("drafter", {"speculative.draft": "drafter",
+                                     "speculative.drafter._component_": "test_speculative.LastResponseDrafter"})):
+        recipe, _ = make_recipe(**common, **extra)
+        logged = []
+        recipe.train(on_step=lambda step, metrics: logged.append(dict(metrics)))
+        runs[name] = (recipe, logged)
+    drafter = runs["drafter"][0]._rollout.speculation.drafter
+    assert isinstance(drafter, LastResponseDrafter) and len(drafter.last) == 8
+    for a, b in zip(runs["none"][1], runs["drafter"][1]):
+        assert (a["scores"], a["response_lengths"]) == (b["scores"], b["response_lengths"])
+    # drafted as the built-in `previous` drafts: the same acceptance (step 2's weights moved: not all)
+    spec = [[(r["spec/rows_with_draft"], r["spec/acceptance"]) for r in runs[k][1]] for k in ("previous", "drafter")]
+    assert spec[0] == spec[1] and spec[1][0] == (0.0, 0.0) and spec[1][1][0] == 1.0 and spec[1][1][1] > 0.3

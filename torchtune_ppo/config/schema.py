@@ -341,7 +341,7 @@ LOSS = Block(
     or_else=" or a `_component_: torchtune.rlhf.loss.PPOLoss` block",
 )
 
-SPECULATIVE_DRAFTS = ("previous", "ngram", "none")
+SPECULATIVE_DRAFTS = ("previous", "ngram", "drafter", "none")
 SPECULATIVE_NOISE = ("per_step", "per_prompt")
 SPECULATIVE = Block(
     keys=(
@@ -353,7 +353,13 @@ SPECULATIVE = Block(
         Key("draft", Choice(options=SPECULATIVE_DRAFTS), "previous",
             "`previous`: the last response sampled for the same prompt and sample index is the draft; `ngram`: "
             "prompt lookup, the tokens that followed the row's last tokens earlier in its prompt and response; "
-            "`none`: no drafts (plain decoding with position-keyed noise)"),
+            "`drafter`: your own, the `speculative.drafter` component's; `none`: no drafts (plain decoding with "
+            "position-keyed noise)"),
+        Key("drafter", Component(optional=True, note="with `draft: drafter`"), None,
+            "your own drafter (with `draft: drafter`): called with each row's prompt tokens and sample index, it "
+            "returns a draft (token ids) or None per row; optional `record(prompts, sample_indices, responses)` "
+            "sees what was sampled, `state_dict`/`load_state_dict` go into checkpoints. Any draft leaves the "
+            "samples as they are (see [Speculative rollouts](speculative.md#your-own-drafter))"),
         Key("max_draft_tokens", Count(), 8, "draft tokens one verification forward checks per row"),
         Key("min_draft_rows", Number(ge=0, le=1), 0.5,
             "verification forwards check `max_draft_tokens` positions only while at least this share of the rows "

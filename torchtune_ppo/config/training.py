@@ -99,6 +99,12 @@ def check_algorithms(cfg: DictConfig) -> None:
             ": verification runs in the single-turn generator. Set speculative.enabled=False"
             + (", or compile.rollout=False (compile.generate compiles the verification)." if cfg.compile.rollout
                else "."))
+    spec = cfg.speculative
+    if (spec.draft == "drafter") != (spec.drafter is not None):
+        raise ValueError(
+            f"speculative.draft={spec.draft} with speculative.drafter=" + ("null" if spec.drafter is None else "set")
+            + ": a drafter component is used with draft: drafter and only then. Set speculative.drafter to a "
+            "mapping with a `_component_` and speculative.draft=drafter, or remove speculative.drafter.")
     cache, T = cfg.turns.cache_tokens, cfg.max_generated_tokens
     if cache is not None and cache < T:  # the Generator's rule, here before any model loads
         raise ValueError(

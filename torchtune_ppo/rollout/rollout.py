@@ -35,7 +35,7 @@ from torchtune_ppo.rlhf.packing import logprob_chunks, prefix_row_len, prompt_pr
 from torchtune_ppo.rlhf.segments import check_segment_models
 from torchtune_ppo.rollout.generation import Generator
 from torchtune_ppo.rollout.scoring import PackedScoring, packed_score_trajectory, plan_scoring
-from torchtune_ppo.rollout.speculative import Speculation
+from torchtune_ppo.rollout.speculative import Speculation, real_prompts
 from torchtune_ppo.rollout.turns import EpisodeOutput, EpisodeStats, TurnRunner, episode_texts
 
 
@@ -199,7 +199,9 @@ class Rollout:
         then become the drafts of the prompts' next visit."""
         gen, spec, n = self.generator, self.speculation, self.generator.batch_size
         keys, ids = spec.keys(prompts, prompt_lens, step)
-        drafts = spec.drafts(ids)
+        real = real_prompts(prompts, prompt_lens) if spec.draft == "drafter" else None
+        drafts = spec.drafts(ids, real, vocab_size=getattr(getattr(gen.model, "tok_embeddings", None),
+                                                           "num_embeddings", None))
         gen.spec_stats.reset()
         outputs = []
         for start in range(0, len(prompt_lens), n):
@@ -207,7 +209,8 @@ class Rollout:
             out = gen.generate(prompts[start:end], prompt_lens[start:end], rng=rng, noise_keys=keys[start:end],
                                drafts=None if drafts is None or not gen.draft_tokens else drafts[start:end],
                                prompt_lookup=spec.draft == "ngram")
-            spec.record(ids[start:end], out.query_responses[:, self.settings.prompt_len:], self._valid_counts(out))
+            spec.record(ids[start:end], out.query_responses[:, self.settings.prompt_len:], self._valid_counts(out),
+                        None if real is None else real[start:end])
             outputs.append(out)
         self.episode_metrics = gen.spec_stats.metrics()
         return outputs

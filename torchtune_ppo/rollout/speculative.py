@@ -25,7 +25,8 @@ opens a row's columns up to each query. Shapes are fixed by the chunk width, so 
 region compiles once whatever the acceptance.
 
 **Drafts** (:class:`DraftStore`): the last response sampled for each (prompt, sample index),
-bounded in prompts, saved in the checkpoint.
+bounded in prompts, saved in the checkpoint; or a user's drafter (:class:`Speculation`'s
+``drafter``), whose drafts are checked against the model like any other.
 """
 
 import collections
@@ -247,6 +248,12 @@ def speculative_args(cfg: Any) -> Dict[str, Any]:
     return dict(draft_tokens=int(block.max_draft_tokens) if on else 0, min_draft_rows=float(block.min_draft_rows))
 
 
+def real_prompts(prompts: torch.Tensor, prompt_lens: torch.Tensor) -> List[List[int]]:
+    """Each left-padded row's prompt tokens, padding left out."""
+    P = prompts.shape[1]
+    return [row[P - int(n):] if n else [] for row, n in zip(prompts.tolist(), prompt_lens.tolist())]
+
+
 class Speculation:
     """What a :class:`~torchtune_ppo.rollout.rollout.Rollout` needs for speculative rollouts:
     each row's noise key and draft, and the store of last responses.
@@ -254,17 +261,29 @@ class Speculation:
     Args:
         seed (int): the run's seed.
         draft (str): ``previous`` (the store's drafts), ``ngram`` (prompt lookup: what followed
-            the row's last tokens earlier in its prompt and response) or ``none`` (keyed noise only).
+            the row's last tokens earlier in its prompt and response), ``drafter`` (``drafter``'s)
+            or ``none`` (keyed noise only).
         noise (str): ``per_step`` (the round is the step) or ``per_prompt`` (round 0 always).
         max_stored (int): the store's bound, see :class:`DraftStore`.
+        drafter (Optional[Callable]): with ``draft="drafter"``: called as ``drafter(prompts,
+            sample_indices)`` (each row's prompt tokens, a list of int lists, and its sample index
+            among the step's rows with that prompt), it returns one draft per row: a sequence of
+            token ids, or None. Optional methods: ``record(prompts, sample_indices, responses)``
+            (each row's sampled response tokens, stop token included) and ``state_dict()`` /
+            ``load_state_dict(state)`` (saved with the run's checkpoints).
     """
 
     def __init__(self, *, seed: int, draft: str = "previous", noise: str = "per_step",
-                 max_stored: int = 65536) -> None:
-        if draft not in ("previous", "ngram", "none") or noise not in ("per_step", "per_prompt"):
-            raise ValueError(f"Speculation: draft={draft!r} must be previous, ngram or none, noise={noise!r} "
-                             "per_step or per_prompt.")
-        self.seed, self.draft, self.noise = int(seed), draft, noise
+                 max_stored: int = 65536, drafter: Optional[Any] = None) -> None:
+        if draft not in ("previous", "ngram", "drafter", "none") or noise not in ("per_step", "per_prompt"):
+            raise ValueError(f"Speculation: draft={draft!r} must be previous, ngram, drafter or none, "
+                             f"noise={noise!r} per_step or per_prompt.")
+        if (draft == "drafter") != (drafter is not None):
+            raise ValueError("Speculation: a drafter is given with draft='drafter' and only then.")
+        if drafter is not None and not callable(drafter):
+            raise TypeError(f"speculative.drafter: {type(drafter).__name__} is not callable; a drafter is called "
+                            "as drafter(prompts, sample_indices) and returns one draft (token ids or None) per row.")
+        self.seed, self.draft, self.noise, self.drafter = int(seed), draft, noise, drafter
         self.store = DraftStore(max_stored)
 
     @classmethod
@@ -273,7 +292,12 @@ class Speculation:
         block = cfg.speculative
         if not block.enabled:
             return None
-        return cls(seed=seed, draft=block.draft, noise=block.noise, max_stored=block.max_stored)
+        drafter = None
+        if block.get("drafter") is not None:
+            from torchtune import config as tt_config
+
+            drafter = tt_config.instantiate(block.drafter)
+        return cls(seed=seed, draft=block.draft, noise=block.noise, max_stored=block.max_stored, drafter=drafter)
 
     def keys(self, prompts: torch.Tensor, prompt_lens: torch.Tensor, step: int
              ) -> Tuple[List[int], List[Tuple[int, int]]]:
@@ -281,23 +305,68 @@ class Speculation:
         prompts get their sample indices however the batch is chunked)."""
         return row_keys(prompts, prompt_lens, seed=self.seed, round=step if self.noise == "per_step" else 0)
 
-    def drafts(self, ids: Sequence[Tuple[int, int]]) -> Optional[List[Optional[List[int]]]]:
+    def drafts(self, ids: Sequence[Tuple[int, int]], prompts: Optional[Sequence[List[int]]] = None,
+               vocab_size: Optional[int] = None) -> Optional[List[Optional[List[int]]]]:
+        """Each row's draft (None: none), or None when drafts are off. ``prompts`` (each row's
+        prompt tokens) and ``vocab_size`` (what a drafter's tokens are checked against) are for
+        ``draft="drafter"``."""
         if self.draft == "none":
             return None
         if self.draft == "ngram":  # no stored drafts: the generator looks the row's own tokens up
             return [None] * len(ids)
+        if self.draft == "drafter":
+            if prompts is None:
+                raise ValueError("Speculation.drafts: draft='drafter' needs each row's prompt tokens.")
+            return _checked_drafts(self.drafter(list(prompts), [i for _, i in ids]), len(ids), vocab_size)
         found = [self.store.get(i) for i in ids]
         return [None if d is None else d.tolist() for d in found]
 
-    def record(self, ids: Sequence[Tuple[int, int]], responses: torch.Tensor, valid: torch.Tensor) -> None:
-        """Keeps each row's valid response tokens as its next draft."""
+    def record(self, ids: Sequence[Tuple[int, int]], responses: torch.Tensor, valid: torch.Tensor,
+               prompts: Optional[Sequence[List[int]]] = None) -> None:
+        """Keeps each row's valid response tokens as its next draft (``previous``), or shows them
+        to a drafter that has a ``record`` method (with each row's prompt tokens)."""
+        if self.draft == "drafter":
+            record = getattr(self.drafter, "record", None)
+            if record is not None:
+                record(list(prompts), [i for _, i in ids],
+                       [row[:n].tolist() for row, n in zip(responses.cpu(), valid.tolist())])
+            return
         if self.draft != "previous":
             return
         for i, row, n in zip(ids, responses.cpu(), valid.tolist()):
             self.store.put(i, row[:n])
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"store": self.store.state_dict()}
+        state: Dict[str, Any] = {"store": self.store.state_dict()}
+        if hasattr(self.drafter, "state_dict"):
+            state["drafter"] = self.drafter.state_dict()
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.store.load_state_dict(state["store"])
+        if state.get("drafter") is not None and hasattr(self.drafter, "load_state_dict"):
+            self.drafter.load_state_dict(state["drafter"])
+
+
+def _checked_drafts(drafts: Any, rows: int, vocab_size: Optional[int]) -> List[Optional[List[int]]]:
+    """A drafter's answer as lists of token ids, one per row, or a message naming what is wrong."""
+    what = "speculative.drafter must return one draft per row (a sequence of token ids, or None)"
+    if isinstance(drafts, (str, bytes, torch.Tensor)) or not isinstance(drafts, Sequence) or len(drafts) != rows:
+        got = (f"{len(drafts)} items" if isinstance(drafts, Sequence) and not isinstance(drafts, (str, bytes))
+               else type(drafts).__name__)
+        raise ValueError(f"{what}: {rows} rows, got {got}.")
+    out: List[Optional[List[int]]] = []
+    for r, d in enumerate(drafts):
+        if d is None:
+            out.append(None)
+            continue
+        tokens = d.tolist() if hasattr(d, "tolist") else d  # a tensor or an array
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ValueError(f"{what}: row {r}'s draft is {type(d).__name__} {str(d)[:60]}, not token ids.")
+        bad = [t for t in tokens if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            raise ValueError(f"{what}: row {r}'s draft has token id {bad[0]}, outside the vocabulary "
+                             f"(0 .. {vocab_size - 1 if vocab_size else 'n'}).")
+        out.append(list(tokens))
+    return out
