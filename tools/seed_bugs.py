@@ -18,9 +18,11 @@ Tiers (``--tier``), the tests run against each mutant:
 
 - ``targeted`` (the default): every test file that imports the mutated module (found in the
   AST of each test file: the module's dotted path, or its package and one of its names, also
-  through a test helper such as ``tests/twins/``; for the recipe, the files that import
-  ``ppo_full_finetune``), slow tests included, plus a fixed set that exercises the recipe
-  cheaply: ``tests/parity/test_recipe_pieces.py`` and the golden seeded run
+  through a test helper such as ``tests/twins/``, or through a conftest fixture that imports it,
+  as ``make_recipe`` does the recipe; for the recipe, the files that import ``ppo_full_finetune``
+  or take such a fixture), slow tests included, plus a fixed set that exercises the recipe
+  cheaply: ``tests/parity/test_recipe_pieces.py``, ``tests/unit/test_recipe_wiring_options.py``
+  (options through the recipe's loop, in process) and the golden seeded run
   ``tests/e2e/test_recipe.py::test_seeded_run_logs_the_recorded_metrics``. Unit files run
   first, then parity, then end-to-end, so a caught mutant stops early.
 - ``fast``: the fast tier, ``-m "not slow"`` over ``tests/unit`` and ``tests/parity``.
@@ -82,6 +84,7 @@ RECIPE = "recipes/ppo_full_finetune.py"
 # Cheap end-to-end coverage of the recipe, added to every targeted selection.
 FIXED_TESTS = (
     "tests/parity/test_recipe_pieces.py",
+    "tests/unit/test_recipe_wiring_options.py",  # options through the recipe's loop, in process, seconds each
     "tests/e2e/test_recipe.py::test_seeded_run_logs_the_recorded_metrics",
 )
 PYTEST_FLAGS = ("-x", "-q", "-p", "no:cacheprovider")
@@ -551,6 +554,39 @@ def helper_module(path: str) -> Optional[str]:
     return rel.replace("/", ".").removesuffix(".__init__")
 
 
+def fixture_users(tree: Tree, test_files: Sequence[str], dotted: str, names: Set[str]) -> Set[str]:
+    """Test files that reach module ``dotted`` through a conftest fixture that imports it
+    (``make_recipe`` imports the recipe in its body): the fixture, and the fixtures that take
+    it, named as a test function's argument or in ``usefixtures``."""
+    fixtures: Dict[str, ast.FunctionDef] = {}
+    for conf in (f for f in test_files if Path(f).name == "conftest.py"):
+        parsed = tree.parse(conf)
+        for node in ast.walk(parsed) if parsed is not None else ():
+            if isinstance(node, ast.FunctionDef) and any(
+                    "fixture" in ast.unparse(d) for d in node.decorator_list):
+                fixtures[node.name] = node
+    using = {name for name, fn in fixtures.items() if refers_to(fn, dotted, names, strings=False)}
+    while True:  # fixtures that take one of those
+        more = {name for name, fn in fixtures.items()
+                if name not in using and any(a.arg in using for a in fn.args.args)}
+        if not more:
+            break
+        using |= more
+    if not using:
+        return set()
+    hits = set()
+    for f in test_files:
+        parsed = tree.parse(f)
+        if Path(f).name == "conftest.py" or parsed is None:
+            continue
+        for node in ast.walk(parsed):
+            if (isinstance(node, ast.FunctionDef) and any(a.arg in using for a in node.args.args)) or (
+                    isinstance(node, ast.Constant) and node.value in using):
+                hits.add(f)
+                break
+    return hits
+
+
 def importing_tests(tree: Tree, path: str) -> List[str]:
     """Test files that import the module at ``path``, directly or through test helpers."""
     if path in tree._tests:
@@ -559,6 +595,7 @@ def importing_tests(tree: Tree, path: str) -> List[str]:
     test_files = tree.files("tests")
     # the recipe: only the files that import it (every end-to-end test names it in `tune run`)
     hits = {f for f in test_files if refers_to(tree.parse(f), dotted, names, strings=path != RECIPE)}
+    hits |= fixture_users(tree, test_files, dotted, names)
     # helpers one level at a time, until nothing new (twins.loss_step imports twins.rlhf)
     frontier, seen = {f for f in hits if helper_module(f)}, set()
     while frontier:
