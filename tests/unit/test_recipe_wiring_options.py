@@ -1,6 +1,6 @@
 """Options whose only effect is through recipes/ppo_full_finetune.py, checked at a value other than
 the default on the tiny task in this process (eager, a few seconds each): a sampling temperature
-reaching the loss step's logprobs, ``penalise_no_eos`` reaching the scores, the adaptive KL
+reaching the loss step's logprobs, ``top_k``/``top_p`` reaching the sampler, ``penalise_no_eos`` reaching the scores, the adaptive KL
 coefficient carried across a resume, the token means of the ``rollout_corr/*`` metrics; the save
 rules (``save_every_n_steps`` in global steps after value pretraining, ``save_every_n_epochs``
 with the loader's batches an epoch) and ``keep_last_n_checkpoints`` through the run's loop; the
@@ -29,6 +29,26 @@ def test_a_sampling_temperature_reaches_the_loss_steps_logprobs(make_recipe):
     p = cfg.max_prompt_len
     plain = torch.log_softmax(logits[:, p - 1:-1].float(), -1).gather(2, traj.query_responses[:, p:, None])[..., 0]
     assert (plain - traj.logprobs)[valid].abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("option", [{"top_k": 1}, {"top_p": 1e-6}], ids=["top_k", "top_p"])
+def test_top_k_and_top_p_reach_the_generator(make_recipe, option):
+    """``top_k=1`` or a tiny ``top_p`` leaves one candidate a position: every sampled token is the
+    policy's most likely next token (at the default temperature the tiny policy samples others)."""
+    recipe, cfg = make_recipe(ppo_epochs=1, **option)
+    p, best = cfg.max_prompt_len, []
+
+    def most_likely(traj):  # the policy's argmax at the rollout's weights, before the update
+        with torch.no_grad():
+            logits = recipe._models.policy(traj.query_responses, mask=traj.masks, input_pos=traj.position_ids)
+        best.append(logits[:, p - 1:-1].argmax(-1))
+        return traj
+
+    seen = _record_rollouts(recipe, most_likely)
+    recipe.train_step(*_first_batch(recipe), 0)
+    (traj,), (argmax,) = seen, best
+    valid = ~traj.response_padding_masks
+    assert torch.equal(argmax[valid], traj.query_responses[:, p:][valid])
 
 
 @pytest.mark.parametrize("penalise", [True, False])
