@@ -1,10 +1,11 @@
 """Options whose only effect is through recipes/ppo_full_finetune.py, checked at a value other than
 the default on the tiny task in this process (eager, a few seconds each): a sampling temperature
-reaching the loss step's logprobs, ``top_k``/``top_p`` reaching the sampler, ``penalise_no_eos`` reaching the scores, the adaptive KL
-coefficient carried across a resume, the token means of the ``rollout_corr/*`` metrics; the save
-rules (``save_every_n_steps`` in global steps after value pretraining, ``save_every_n_epochs``
-with the loader's batches an epoch) and ``keep_last_n_checkpoints`` through the run's loop; the
-batch's references reaching a reward function."""
+reaching the loss step's logprobs, ``top_k``/``top_p`` reaching the sampler, ``penalise_no_eos``
+reaching the scores, the adaptive KL coefficient carried across a resume, the token means of the
+``rollout_corr/*`` metrics; the save rules (``save_every_n_steps`` in global steps after value
+pretraining, ``save_every_n_epochs`` with the loader's batches an epoch) and
+``keep_last_n_checkpoints`` through the run's loop; the batch's references reaching a reward
+function; TIS and MIS in bf16 with compiled scoring against eager."""
 
 import pytest
 import torch
