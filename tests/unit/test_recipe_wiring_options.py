@@ -186,6 +186,26 @@ def test_keep_last_n_checkpoints_prunes_the_recipes_saves(make_recipe, tmp_path)
     assert sorted(p.name for p in (tmp_path / "run0" / "checkpoints").glob("step_*")) == ["step_4", "step_5"]
 
 
+def test_a_resumed_run_counts_its_restored_step_as_saved(make_recipe, tmp_path):
+    """Resumed from its last checkpoint with nothing left to train, a run saves nothing again:
+    the step it was restored from is counted as saved; with one step left, only that step is
+    saved."""
+    settings = dict(output_dir=tmp_path / "run", save_every_n_steps="null")
+    first, _ = make_recipe(num_ppo_steps=2, **settings)
+    _fake_steps(first)
+    first.train()
+    first.cleanup()  # lets go of the output folder's lock
+    done, _ = make_recipe(num_ppo_steps=2, resume_from_checkpoint=True, **settings)
+    saved = _fake_steps(done)
+    done.train()
+    assert saved == [] and not done._progress.unsaved
+    done.cleanup()
+    more, _ = make_recipe(num_ppo_steps=3, resume_from_checkpoint=True, **settings)
+    saved = _fake_steps(more)
+    more.train()
+    assert saved == [3]
+
+
 def test_references_reach_a_function_reward(make_recipe):
     """The arithmetic task's reward is a function of each response and its row's reference
     answer: in the run's loop the function is given the batch's references, row for row."""
