@@ -176,6 +176,23 @@ def test_save_every_n_epochs_takes_the_loaders_batches_per_epoch(make_recipe, tm
     assert saved == [6, 7]
 
 
+def test_shuffle_false_takes_the_prompts_in_the_datasets_order(make_recipe, tmp_path):
+    """``shuffle: False``: every epoch's batches are the dataset's rows in order (16 prompts,
+    2 batches an epoch, 4 steps)."""
+    recipe, _ = make_recipe(num_ppo_steps=4, shuffle=False, **{"dataset.data_files": _prompts(tmp_path, 16)})
+    _fake_steps(recipe)
+    seen, step = [], recipe.train_step
+
+    def recording(prompts, prompt_lens, *args, **kwargs):
+        seen.extend(row[len(row) - int(n):].tolist() for row, n in zip(prompts, prompt_lens))
+        return step(prompts, prompt_lens, *args, **kwargs)
+
+    recipe.train_step = recording
+    recipe.train()
+    dataset = [list(recipe._dataloader.dataset[i]["tokens"]) for i in range(16)]
+    assert seen == dataset + dataset
+
+
 def test_keep_last_n_checkpoints_prunes_the_recipes_saves(make_recipe, tmp_path):
     """``keep_last_n_checkpoints=2`` reaches the checkpoint manager the recipe saves with: of the
     saves after steps 1-5, the last two are left."""
