@@ -223,6 +223,25 @@ def test_a_resumed_run_counts_its_restored_step_as_saved(make_recipe, tmp_path):
     assert saved == [3]
 
 
+def test_a_rollout_failing_after_an_update_saves_the_last_completed_step(make_recipe, tmp_path):
+    """Step 1 runs whole (its update included); step 2's rollout raises: the run saves step 1
+    (the state after the last completed step), as it would had step 1 not updated anything."""
+    recipe, _ = make_recipe(num_ppo_steps=3, save_every_n_steps="null", ppo_epochs=1,
+                            output_dir=tmp_path / "run")
+    rollout, calls = recipe._rollout, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the rollout broke")
+        return rollout(*args, **kwargs)
+
+    recipe._rollout = failing
+    with pytest.raises(RuntimeError, match="the rollout broke"):
+        recipe.train()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_1"]
+
+
 def test_references_reach_a_function_reward(make_recipe):
     """The arithmetic task's reward is a function of each response and its row's reference
     answer: in the run's loop the function is given the batch's references, row for row."""
