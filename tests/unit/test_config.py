@@ -500,3 +500,22 @@ def test_bf16_master_weights_only_where_they_are_kept():
     fp32 = validate_config(_cfg())
     check_world_size(fp32, 2)
     assert fp32.master_weights is True  # no effect in fp32, left as given
+
+
+@pytest.mark.parametrize("overrides, world, pattern", [
+    # each rank's minibatch rows, not the global ones, are split into micro-batches
+    (dict(ppo_batch_size=8, gradient_accumulation_steps=8), 2,
+     r"ppo_batch_size=8 over 2 processes gives 4 rows per rank, not a multiple of gradient_accumulation_steps=8"),
+    (dict(batch_size=12, forward_batch_size=12, ppo_batch_size=12, gradient_accumulation_steps=2), 4,
+     r"ppo_batch_size=12 over 4 processes gives 3 rows per rank"),
+    (dict(batch_size=9, forward_batch_size=9, ppo_batch_size=9, gradient_accumulation_steps=1), 2,
+     r"batch_size=9 is the global number of prompts per step, split over 2 processes"),
+])
+def test_batches_that_do_not_split_over_the_processes_are_refused(overrides, world, pattern):
+    from torchtune_ppo.config import check_world_size
+
+    cfg = validate_config(_cfg(**overrides))  # fine on one process
+    with pytest.raises(ValueError, match=pattern):
+        check_world_size(cfg, world)
+    ok = validate_config(_cfg(ppo_batch_size=8, gradient_accumulation_steps=4))
+    check_world_size(ok, 2)  # 4 rows a rank in 4 micro-batches
