@@ -62,6 +62,12 @@ def prompt_digest(tokens: Sequence[int]) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
 
+def real_prompts(prompts: torch.Tensor, prompt_lens: torch.Tensor) -> List[List[int]]:
+    """Each left-padded row's prompt tokens, padding left out."""
+    P = prompts.shape[1]
+    return [row[P - int(n):] if n else [] for row, n in zip(prompts.tolist(), prompt_lens.tolist())]
+
+
 def row_keys(prompts: torch.Tensor, prompt_lens: torch.Tensor, *, seed: int, round: int
              ) -> Tuple[List[int], List[Tuple[int, int]]]:
     """Each row's noise key and its draft key ``(prompt digest, sample index)``.
@@ -69,12 +75,10 @@ def row_keys(prompts: torch.Tensor, prompt_lens: torch.Tensor, *, seed: int, rou
     The sample index counts the earlier rows of the call that hold the same prompt, so a group's
     ``n`` copies get ``0 .. n-1`` wherever the group sits.
     """
-    P = prompts.shape[1]
-    host, lens = prompts.tolist(), prompt_lens.tolist()
     seen: Dict[int, int] = collections.Counter()
     keys, ids = [], []
-    for row, n in zip(host, lens):
-        digest = prompt_digest(row[P - int(n):] if n else [])
+    for tokens in real_prompts(prompts, prompt_lens):
+        digest = prompt_digest(tokens)
         index = seen[digest]
         seen[digest] += 1
         ids.append((digest, index))
@@ -246,12 +250,6 @@ def speculative_args(cfg: Any) -> Dict[str, Any]:
     block = cfg.speculative
     on = block.enabled and block.draft != "none"
     return dict(draft_tokens=int(block.max_draft_tokens) if on else 0, min_draft_rows=float(block.min_draft_rows))
-
-
-def real_prompts(prompts: torch.Tensor, prompt_lens: torch.Tensor) -> List[List[int]]:
-    """Each left-padded row's prompt tokens, padding left out."""
-    P = prompts.shape[1]
-    return [row[P - int(n):] if n else [] for row, n in zip(prompts.tolist(), prompt_lens.tolist())]
 
 
 class Speculation:
