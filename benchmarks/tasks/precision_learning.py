@@ -5,7 +5,8 @@ arithmetic, several seeds of each dtype, full fine-tuning and LoRA, with evaluat
     python benchmarks/tasks/precision_learning.py --configs full --parallel 2 --out bench_out/precision
 
 Each run is a shipped SmolLM2 config (``recipes/configs/smollm2/``: ``full`` is
-``135M_ppo_arithmetic.yaml``, ``lora`` is ``135M_lora_ppo_arithmetic.yaml``) as a user runs it
+``135M_ppo_arithmetic.yaml``, ``lora`` is ``135M_lora_ppo_arithmetic.yaml``, ``full_mixed`` and
+``lora_mixed`` their ``_mixed`` configs) as a user runs it
 (``tune run``, its compile block, its evaluation every 10 steps on the 200 held-out questions),
 with ``dtype`` and ``seed`` set and the ``ood`` evaluation set left out (``--keep-ood`` keeps it),
 one CPU thread a run. ``--parallel N`` runs N at once, each pinned to its own core
@@ -16,7 +17,7 @@ Reported per run, from the run's metric log: held-out greedy accuracy (``val/hel
 every evaluation, at the last step and the best; the first evaluation at 50% or more and the
 minutes of the PPO loop until it (``time/step`` and ``time/eval`` summed from the first step,
 the evaluation before step 1 included; model loading left out); mean training reward over the
-first and last 10 steps. Then per config and dtype: the mean and the spread (min-max) over the
+first and last 10 steps; where the run evaluates the ``ood`` set, its accuracy too. Then per config and dtype: the mean and the spread (min-max) over the
 seeds. Prints one JSON line per run and a markdown table; writes ``results.json`` to ``--out``.
 Prepare the model first (``python tools/prepare_smollm2.py``).
 """
