@@ -394,12 +394,10 @@ def test_a_drafter_named_in_the_config_runs_in_the_recipe(make_recipe, tmp_path)
     """``draft: drafter`` with ``speculative.drafter._component_``: the recipe builds it, the
     second visit of each prompt is drafted by it (one batch an epoch, one noise round) as the
     built-in ``previous`` drafts it, and the run's samples are those of the run without drafts."""
-    import json
+    from test_recipe_wiring_options import _prompts
 
-    with open(torchtune_ppo.asset_path("tiny_sentiment/prompts.json")) as f:
-        data = tmp_path / "prompts.json"
-        data.write_text(json.dumps(json.load(f)[:8]))  # one batch an epoch: step 2 sees step 1's prompts
-    common = {"dataset.data_files": str(data), "num_ppo_steps": 2, "speculative.enabled": True,
+    # one batch an epoch: step 2 sees step 1's prompts
+    common = {"dataset.data_files": _prompts(tmp_path, 8), "num_ppo_steps": 2, "speculative.enabled": True,
               "speculative.noise": "per_prompt"}
     runs = {}
     for name, extra in (("none", {"speculative.draft": "none"}), ("previous", {}),
