@@ -16,11 +16,15 @@ saves per epoch). Rows:
 
     ours          the config's compile setting (its shipped fast path), --dtype
     ours_eager    ours with compile=False
+    ours_eval     ours with the config's own evaluation block (its seconds: time/eval)
     tt_compile    torchtune's fastest configuration: compile=True, enable_kv_cache=True
     tt_kv         torchtune eager with its KV cache
 
 Reported per run: the wall clock of the whole command, and for ours the first step's and the
-median later step's seconds (from its metrics log); torchtune logs no step time.
+median later step's seconds and the evaluations' seconds (from its metrics log); torchtune logs
+no step time. ``ours_eval`` evaluates as the shipped config does (every 10 steps and before
+step 1, greedy, its held-out sets; scored here by the benchmark's reward model, so its accuracy
+means nothing, its seconds do).
 
     python benchmarks/ppo/bench_whole_run.py                         # ours, tt_compile; cold then warm
     python benchmarks/ppo/bench_whole_run.py --rows ours,ours_eager,tt_compile --starts cold --steps 60
@@ -49,6 +53,7 @@ from ppo_bench.configs import ours_config, torchtune_config  # noqa: E402
 ROWS = {
     "ours": ("ours", None),
     "ours_eager": ("ours", {"compile": False}),
+    "ours_eval": ("ours", {"eval": "shipped"}),
     "tt_compile": ("torchtune", {"compile": True, "enable_kv_cache": True}),
     "tt_kv": ("torchtune", {"compile": False, "enable_kv_cache": True}),
 }
@@ -93,7 +98,7 @@ def configs(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
     ours["compile"] = OmegaConf.to_container(shipped).get("compile", False)
     ours["compile_cache"] = False  # a second run's cache is the inductor folder, as for torchtune
     tt = torchtune_config(ours, sizes)
-    return {"ours": ours, "torchtune": tt, "dtype": dtype}
+    return {"ours": ours, "torchtune": tt, "dtype": dtype, "eval": OmegaConf.to_container(shipped).get("eval")}
 
 
 def run_one(name: str, start: str, cfgs: Dict[str, Any], work: Path, logs: Path) -> Dict[str, Any]:
@@ -103,6 +108,8 @@ def run_one(name: str, start: str, cfgs: Dict[str, Any], work: Path, logs: Path)
 
     recipe, overrides = ROWS[name]
     cfg = dict(cfgs[recipe], **(overrides or {}))
+    if cfg.get("eval") == "shipped":
+        cfg["eval"] = cfgs["eval"]
     out = work / f"{name}_{start}"
     cfg["output_dir"] = str(out)
     if recipe == "torchtune":
@@ -126,9 +133,12 @@ def run_one(name: str, start: str, cfgs: Dict[str, Any], work: Path, logs: Path)
     if recipe == "ours" and proc.returncode == 0:
         from torchtune_ppo.run.logs import read_disk_log
 
-        steps = [r["time/step"] for r in read_disk_log(out / "logs") if "time/step" in r]
+        records = read_disk_log(out / "logs")
+        steps = [r["time/step"] for r in records if "time/step" in r]
+        evals = [r["time/eval"] for r in records if "time/eval" in r]
         result.update(steps=len(steps), first_step_s=round(steps[0], 1),
-                      later_step_median_s=round(statistics.median(steps[1:]), 3) if len(steps) > 1 else None)
+                      later_step_median_s=round(statistics.median(steps[1:]), 3) if len(steps) > 1 else None,
+                      evaluations=len(evals), eval_s=[round(e, 1) for e in evals])
     print(f"    {result}", flush=True)
     return result
 
@@ -153,15 +163,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         "dtype": cfgs["dtype"], "steps": args.steps, "ours_compile": cfgs["ours"]["compile"], "runs": results,
     }
     (args.out / "whole_run.json").write_text(json.dumps(report, indent=2))
-    lines = ["| row | start | whole run (s) | ours: first step (s) | ours: later step, median (s) |",
-             "| --- | --- | ---: | ---: | ---: |"]
+    lines = ["| row | start | whole run (s) | ours: first step (s) | ours: later step, median (s) | ours: evaluations (s) |",
+             "| --- | --- | ---: | ---: | ---: | --- |"]
     for r in results:
+        evals = (f"{len(r['eval_s'])}, {sum(r['eval_s']):.1f} in all ({min(r['eval_s'])}-{max(r['eval_s'])} each)"
+                 if r.get("eval_s") else "")
         lines.append(f"| {r['row']} | {r['start']} | {r['wall_s']} | {r.get('first_step_s', '')} | "
-                     f"{r.get('later_step_median_s', '')} |")
+                     f"{r.get('later_step_median_s', '')} | {evals} |")
     for start in args.start_names:
         wall = {r["row"]: r["wall_s"] for r in results if r["start"] == start and r["returncode"] == 0}
-        if "ours" in wall and "tt_compile" in wall:
-            lines.append(f"\n{start}: torchtune compiled / ours = {wall['tt_compile'] / wall['ours']:.2f}x")
+        for row in ("ours", "ours_eager"):
+            if row in wall and "tt_compile" in wall:
+                lines.append(f"\n{start}: torchtune compiled / {row} = {wall['tt_compile'] / wall[row]:.2f}x")
     (args.out / "whole_run.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(r["returncode"] == 0 for r in results) else 1
