@@ -5,7 +5,8 @@ reaching the scores, the adaptive KL coefficient carried across a resume, the to
 ``rollout_corr/*`` metrics; the save rules (``save_every_n_steps`` in global steps after value
 pretraining, ``save_every_n_epochs`` with the loader's batches an epoch) and
 ``keep_last_n_checkpoints`` through the run's loop; the batch's references reaching a reward
-function; TIS and MIS in bf16 with compiled scoring against eager."""
+function; TIS and MIS in bf16 with compiled scoring against eager; and 35 keys at once at a value
+other than the default, each read where the recipe put it."""
 
 import pytest
 import torch
@@ -297,3 +298,58 @@ def test_rollout_correction_in_bf16_with_compiled_scoring_is_eagers(make_recipe,
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
     assert [r["recompiles"] for r in rows["compiled"]] == [0.0, 0.0]
     assert all(r["rollout_corr/weight_mean"] != 1.0 for r in rows["eager"]), rows["eager"]
+
+
+# Every key below at a value other than the tiny config's and the schema's default, all in one
+# recipe (one build, a few seconds); each line reads where the recipe put it.
+_NON_DEFAULTS = {
+    "seed": 5, "shuffle": False, "num_ppo_steps": 7, "save_every_n_steps": 5, "keep_last_n_checkpoints": 3,
+    "max_consecutive_skipped_steps": 5, "temperature": 0.8, "top_k": 7, "top_p": 0.9,
+    "max_generated_tokens": 10, "forward_batch_size": 8, "stop_token_ids": [2, 3],
+    "ppo_epochs": 3, "ppo_batch_size": 8, "gradient_accumulation_steps": 4, "clip_grad_norm": 0.7,
+    "critic_warmup_steps": 2, "penalise_no_eos": False, "reward_penalty": -2.5, "min_response_length": 3,
+    "gamma": 0.9, "lmbda": 0.8, "whiten_rewards": True, "kl_estimator": "k3", "lmbda_actor": 0.7,
+    "kl_coeff": 0.07, "kl_target": 0.5, "kl_horizon": 1234, "optimizer.lr": 1e-4,
+    "loss.epsilon": 0.15, "loss.value_clip_range": 0.3, "loss.value_coeff": 0.2, "loss.epsilon_high": 0.25,
+    "loss.entropy_coeff": 0.01, "loss.aggregation": "seq-mean-token-mean",
+}
+
+
+def _where_they_went(recipe):
+    """Each key of ``_NON_DEFAULTS``: the value the part that uses it holds."""
+    gen, scoring, update = recipe._rollout.generator, recipe._rollout.settings, recipe._update
+    adv, loss, progress = recipe._advantages, update._loss, recipe._progress
+    return {
+        "seed": recipe._sampler.seed, "shuffle": recipe._sampler.shuffle, "num_ppo_steps": progress.num_ppo_steps,
+        "save_every_n_steps": progress.save_every_n_steps,
+        "keep_last_n_checkpoints": recipe._checkpoints.manager.keep_last_n,
+        "max_consecutive_skipped_steps": recipe._skipped.max_consecutive,
+        "temperature": gen.sampling["temperature"], "top_k": gen.sampling["top_k"], "top_p": gen.sampling["top_p"],
+        "max_generated_tokens": gen.max_generated_tokens, "forward_batch_size": gen.batch_size,
+        "stop_token_ids": recipe._rollout.stop_token_ids.tolist(),
+        "ppo_epochs": update.ppo_epochs, "ppo_batch_size": update._ppo_batch_size,
+        "gradient_accumulation_steps": update.gradient_accumulation_steps, "clip_grad_norm": update._max_norm,
+        "critic_warmup_steps": update.critic_warmup_steps, "penalise_no_eos": scoring.penalise_no_eos,
+        "reward_penalty": scoring.reward_penalty, "min_response_length": scoring.min_response_length,
+        "gamma": adv.gamma, "lmbda": adv.lmbda, "whiten_rewards": adv.whiten_rewards,
+        "kl_estimator": adv.kl_estimator, "lmbda_actor": adv.lmbda_actor,
+        "kl_coeff": recipe._kl.value, "kl_target": recipe._kl.target, "kl_horizon": recipe._kl.horizon,
+        "optimizer.lr": recipe._update.optimizer.param_groups[0]["lr"],
+        "loss.epsilon": loss.epsilon, "loss.value_clip_range": loss.value_clip_range,
+        "loss.value_coeff": loss.value_coeff, "loss.epsilon_high": loss.epsilon_high,
+        "loss.entropy_coeff": loss.entropy_coeff, "loss.aggregation": loss.aggregation,
+    }
+
+
+def test_every_option_at_a_non_default_value_reaches_the_part_that_uses_it(make_recipe):
+    """An option dropped on its way (a constant, the default, another key passed instead) leaves
+    its part at the default: with every key at another value, each part must hold that value,
+    and the stop tokens must reach the generator as well as the scoring. Behaviour is checked
+    elsewhere (the sampler, the save rules, the loss); this catches the wiring of every key at
+    once."""
+    defaults, _ = make_recipe()
+    recipe, cfg = make_recipe(**_NON_DEFAULTS)
+    before, after = _where_they_went(defaults), _where_they_went(recipe)
+    assert {k: v for k, v in after.items() if v != pytest.approx(_NON_DEFAULTS[k])} == {}
+    assert not [k for k in _NON_DEFAULTS if before[k] == after[k]]  # every key moved off its default
+    assert recipe._rollout.generator.stop_token_ids == [2, 3]
