@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from torchtune_ppo.run.optim import MasterWeights, build_optimizer, fused_by_default
+from torchtune_ppo.run.optim import MasterWeights, build_optimizer, dithered_bf16, fused_by_default, rounding_salt
 
 
 def _params(seed: int = 0):
@@ -100,13 +100,57 @@ def test_master_weights_accumulate_small_updates_and_round_them_into_the_bf16_we
     assert not torch.equal(param.detach(), start.to(torch.bfloat16))
 
 
-def test_master_weights_restore_exactly_and_refuse_other_shapes():
+def test_dithered_rounding_keeps_bf16_values_and_moves_the_share_a_master_moved():
+    """``dithered_bf16``: a master on the bf16 grid stays exact; masters moved a fraction ``d`` of
+    a spacing (either sign, up or down) change in a share ``d`` of the weights, each to the
+    neighbouring bf16 value, where round to nearest changes none below ``d = 1/2``; inf and nan
+    stay."""
+    w = torch.randn(20000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert torch.equal(dithered_bf16(w.float(), rounding_salt(3)), w)
+    bits = w.view(torch.int16).to(torch.int32)
+    for direction in (1, -1):  # one bf16 step away from zero, and towards it
+        neighbour = (bits + direction).to(torch.int16).view(torch.bfloat16).float()
+        for d in (0.1, 0.3, 0.45):
+            moved = w.float() + d * (neighbour - w.float())
+            out = dithered_bf16(moved, rounding_salt(3)).float()
+            changed = out != w.float()
+            assert torch.equal(out[changed], neighbour[changed])
+            assert changed.float().mean().item() == pytest.approx(d, abs=0.02)
+            assert torch.equal(moved.to(torch.bfloat16), w)  # nearest: nothing moved
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0])
+    out = dithered_bf16(special, 1)
+    assert out[:2].isinf().all() and out[2].isnan() and (out[3:] == 0).all()
+    # another salt, other thresholds: not the same weights change
+    moved = w.float() * (1 + 2 ** -10)
+    assert not torch.equal(dithered_bf16(moved, rounding_salt(0)), dithered_bf16(moved, rounding_salt(1)))
+
+
+def test_dithered_masters_pass_updates_below_half_a_spacing_to_the_bf16_weights():
+    """10 SGD steps of 1e-5 move each master 1e-4, under half the 2.4e-4 spacing at 0.05: to
+    nearest, no bf16 weight changes; dithered, the bf16 weights' mean moves as the masters did."""
+    moves = {}
+    for rounding in ("nearest", "dither"):
+        param = torch.nn.Parameter(torch.full((8192,), 0.05, dtype=torch.bfloat16))
+        start = param.detach().float().clone()
+        master = MasterWeights([param], rounding=rounding)
+        _sgd_steps(param, 10, master)
+        moves[rounding] = (start - param.detach().float()).mean().item()
+        master_move = (start - master.masters[0]).mean().item()
+    assert master_move == pytest.approx(1e-4, rel=1e-3)
+    assert moves["nearest"] == 0.0
+    assert moves["dither"] == pytest.approx(master_move, rel=0.1)
+    with pytest.raises(ValueError, match="master_rounding must be one of"):
+        MasterWeights([param], rounding="stochastic")
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "dither"])
+def test_master_weights_restore_exactly_and_refuse_other_shapes(rounding):
     param = torch.nn.Parameter(torch.randn(3, 5).to(torch.bfloat16))
-    master = MasterWeights([param])
+    master = MasterWeights([param], rounding=rounding)
     _sgd_steps(param, 7, master, lr=1e-3)
     state = copy.deepcopy(master.state_dict())
     fresh_param = torch.nn.Parameter(torch.zeros(3, 5, dtype=torch.bfloat16))
-    fresh = MasterWeights([fresh_param])
+    fresh = MasterWeights([fresh_param], rounding=rounding)
     fresh.load_state_dict(state)
     assert torch.equal(fresh.masters[0], master.masters[0]) and torch.equal(fresh_param, param)
     with pytest.raises(ValueError, match="fp32 master weights"):
@@ -148,9 +192,10 @@ def _run(params, master, optimizer, fused: bool, *, max_norm: float, steps: int,
     return norms
 
 
-@pytest.mark.parametrize("kind,weight_decay", [("AdamW", 0.01), ("AdamW", 0.0), ("Adam", 0.01)])
+@pytest.mark.parametrize("kind,weight_decay,rounding", [("AdamW", 0.01, "nearest"), ("AdamW", 0.0, "nearest"),
+                                                    ("Adam", 0.01, "nearest"), ("AdamW", 0.01, "dither")])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_one_pass_master_step_equals_clip_then_torch_adam_then_rounding(kind, weight_decay, compiled):
+def test_one_pass_master_step_equals_clip_then_torch_adam_then_rounding(kind, weight_decay, rounding, compiled):
     """The fused step (eager, and compiled by inductor with symbolic sizes as compile.optimizer
     compiles it) against the four passes: clip_grad_norm_ over fp32 gradients, torch's Adam/AdamW,
     rounding into bf16. The same fp32 arithmetic in another order: masters and moments within
@@ -164,7 +209,7 @@ def test_one_pass_master_step_equals_clip_then_torch_adam_then_rounding(kind, we
     results = []
     for fused in (False, True):
         params = _bf16_params()
-        master = MasterWeights(params, step_fn if fused else None)
+        master = MasterWeights(params, step_fn if fused else None, rounding=rounding)
         optimizer = getattr(torch.optim, kind)(master.masters, lr=lrs[0], betas=(0.9, 0.95), eps=1e-8,
                                                weight_decay=weight_decay)
         assert master.fuses(optimizer) == fused

@@ -69,6 +69,9 @@ def check_world_size(cfg: DictConfig, world_size: int) -> None:
             note(f"dtype=bf16 on {world_size} processes: the trained models' FSDP2 shards are their fp32 master "
                  "weights (each process holds its 1/W), gathered in bf16 for every forward and backward, "
                  "gradients reduced in fp32 (MixedPrecisionPolicy).")
+            if cfg.get("master_rounding", "nearest") == "dither":
+                note(f"master_rounding=dither on {world_size} processes: FSDP2 casts the fp32 shards to bf16 "
+                     "itself, rounding to nearest; this run rounds to nearest.")
     if cfg.share_group_prefill:
         rows = cfg.forward_batch_size // world_size
         what = (f"forward_batch_size={cfg.forward_batch_size}" if world_size == 1 else

@@ -91,6 +91,38 @@ class InBackwardOptimizer:
             wrapper.load_state_dict(state[name])
 
 
+MASTER_ROUNDINGS = ("nearest", "dither")
+
+# Knuth's multiplicative hash constant (2^32 / golden ratio): consecutive positions map to
+# well-spread 16-bit thresholds.
+_HASH = 0x9E3779B1
+
+
+def rounding_salt(index: int) -> int:
+    """The hash offset of the ``index``-th trained parameter, so that tensors of one shape get
+    different thresholds."""
+    return (index + 1) * 1_000_003
+
+
+def dithered_bf16(master: torch.Tensor, salt: Union[int, torch.Tensor]) -> torch.Tensor:
+    """``master`` (fp32) rounded to bf16 at a fixed threshold of each element's own.
+
+    Round to nearest keeps a weight until its master has moved half a bf16 spacing: masters
+    that start as bf16 weights (copied from them) sit on the bf16 grid, so every update smaller
+    than that, in every weight, leaves the model unchanged. Here each element rounds up when its
+    master lies past a threshold ``t`` of the spacing, ``t`` in ``[0, 1)`` a hash of the
+    element's position and ``salt``: a value on the grid stays exact, and of the weights whose
+    masters moved by ``d`` of a spacing, a share ``d`` changes. It is stochastic rounding with
+    the randomness fixed per element (deterministic, nothing stored, the same after a resume).
+    Works on the fp32 bit pattern: adding ``t * 2**16`` to it and keeping the upper 16 bits
+    rounds the magnitude up exactly when the dropped bits exceed ``(1 - t) * 2**16``.
+    """
+    index = torch.arange(master.numel(), device=master.device, dtype=torch.int64).view(master.shape)
+    threshold = (((index + salt) * _HASH) & 0xFFFFFFFF) >> 16  # [0, 65535]
+    bits = master.contiguous().view(torch.int32).to(torch.int64)
+    return ((bits + threshold) >> 16).to(torch.int16).view(torch.bfloat16)
+
+
 def adam_master_step(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -100,6 +132,7 @@ def adam_master_step(
     hyper: torch.Tensor,
     *,
     decoupled: bool,
+    salt: Optional[torch.Tensor] = None,
 ) -> None:
     """One Adam (``decoupled=False``) or AdamW step of an fp32 ``master`` from the bf16 ``grad``
     of its bf16 ``param``, rounded into ``param``; everything in place, as torch's single-tensor
@@ -115,7 +148,8 @@ def adam_master_step(
     neither a new step, a scheduled learning rate, a clip nor another optimizer setting
     recompiles, and the kernel does no powers per element (scalars derived inside it made the
     compiled step 1.4x slower on CPU). With symbolic sizes one graph serves every parameter
-    (:meth:`MasterWeights.fused_step` passes them flat).
+    (:meth:`MasterWeights.fused_step` passes them flat). ``salt`` (a 0-dim int64 tensor): the
+    master is rounded into ``param`` by :func:`dithered_bf16`; None: to nearest.
     """
     decay, beta1, beta2, eps, step_size, bias_correction2_sqrt, clip_coef = hyper.unbind()
     g = grad.float() * clip_coef
@@ -127,7 +161,7 @@ def adam_master_step(
     exp_avg_sq.mul_(beta2).addcmul_(g, g * (1 - beta2))
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
     master.sub_(step_size * exp_avg / denom)
-    param.copy_(master)
+    param.copy_(master if salt is None else dithered_bf16(master, salt))
 
 
 def adam_scalars(group: Mapping[str, Any], step: float, *, decoupled: bool) -> list:
@@ -182,7 +216,7 @@ def master_weights(cfg: Any, params: Iterable[torch.nn.Parameter], step_fn: Any,
     None: fp32 runs, bf16 without masters, and several processes, where the trained models'
     fp32 FSDP2 shards are the masters (:func:`torchtune_ppo.distributed.shard`)."""
     if cfg.dtype == "bf16" and cfg.master_weights and world_size == 1:
-        return MasterWeights(params, step_fn)
+        return MasterWeights(params, step_fn, rounding=cfg.master_rounding)
     return None
 
 
@@ -194,9 +228,11 @@ class MasterWeights:
     the share). The optimizer is built over :attr:`masters` instead of the parameters: the
     forwards and backward run in bf16, :meth:`take_grads` moves each gradient to its master in
     fp32 (clipping reads the masters' gradients), the optimizer steps the masters and its state
-    is fp32, and :meth:`write_back` rounds each master to its bf16 parameter (round to nearest).
-    The masters are part of the training state (:meth:`state_dict`), so a resume continues from
-    the same fp32 weights.
+    is fp32, and :meth:`write_back` rounds each master to its bf16 parameter: to nearest, or
+    (``rounding="dither"``) at a fixed threshold of each weight's own (:func:`dithered_bf16`), so
+    that updates smaller than half a bf16 spacing reach the model in proportion. The masters are
+    part of the training state (:meth:`state_dict`), so a resume continues from the same fp32
+    weights.
 
     With ``step_fn`` (:func:`adam_master_step`, compiled: ``compile.optimizer``) and an optimizer
     it can step (:func:`fusable`), :meth:`grad_norm` and :meth:`fused_step` replace the four
@@ -208,17 +244,25 @@ class MasterWeights:
         params (Iterable[torch.nn.Parameter]): the trained parameters (bf16), in the optimizer's order.
         step_fn (Union[MasterStep, Callable, None]): the one-pass functions (a bare callable:
             the Adam step, the norm's sums eager); None: the four passes.
+        rounding (str): ``nearest`` or ``dither`` (:data:`MASTER_ROUNDINGS`), the config's
+            ``master_rounding``.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter],
-                 step_fn: Union[MasterStep, Callable, None] = None) -> None:
+                 step_fn: Union[MasterStep, Callable, None] = None, rounding: str = "nearest") -> None:
+        if rounding not in MASTER_ROUNDINGS:
+            raise ValueError(f"master_rounding must be one of {list(MASTER_ROUNDINGS)}, got {rounding!r}")
         self.params = list(params)
         self.masters = [p.detach().float().clone() for p in self.params]
+        self.rounding = rounding
+        device = self.masters[0].device if self.masters else None
+        # each parameter's hash offset, a tensor so that one compiled step serves them all
+        self._salts = ([torch.tensor(rounding_salt(i), dtype=torch.int64, device=device)
+                        for i in range(len(self.params))] if rounding == "dither" else None)
         if step_fn is not None and not isinstance(step_fn, MasterStep):
             step_fn = MasterStep(step=step_fn)
         self._step_fn = None if step_fn is None else step_fn.step
         self._sq_sum = grad_sq_sum if step_fn is None else step_fn.sq_sum
-        device = self.masters[0].device if self.masters else None
         self._hyper = torch.zeros(7, dtype=torch.float32, device=device)  # adam_master_step's scalars
         # fp32 gradient buffers, allocated at the first step and reused: a fresh fp32 copy of
         # every gradient each step costs page faults on CPU (SmolLM2-135M: 0.5 s of a 1 s
@@ -276,14 +320,15 @@ class MasterWeights:
                 if step != at:
                     self._hyper[:6] = torch.tensor(adam_scalars(group, step, decoupled=decoupled))
                     at = step
+                i = index[id(m)]
                 self._step_fn(flat(p), flat(p.grad), flat(m), flat(state["exp_avg"]), flat(state["exp_avg_sq"]),
-                              self._hyper, decoupled=decoupled)
+                              self._hyper, decoupled=decoupled, salt=None if self._salts is None else self._salts[i])
 
     @torch.no_grad()
     def write_back(self) -> None:
-        """Each master rounded into its bf16 parameter."""
-        for p, m in zip(self.params, self.masters):
-            p.copy_(m)
+        """Each master rounded into its bf16 parameter (``rounding``)."""
+        for i, (p, m) in enumerate(zip(self.params, self.masters)):
+            p.copy_(m if self._salts is None else dithered_bf16(m, self._salts[i]))
 
     def zero_grad(self) -> None:
         for p, m in zip(self.params, self.masters):
