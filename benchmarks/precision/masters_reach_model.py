@@ -6,7 +6,8 @@ weights, on the bf16 grid, so with round to nearest a weight changes only once i
 moved half a spacing. For a saved SmolLM2 policy this prints, against the weights it started
 from (rounded to bf16, as the run loaded them):
 
-- the share of the policy's bf16 weights that differ from the start;
+- the share of the policy's bf16 weights that differ from the start, and the mean distance they
+  moved, in bf16 spacings of their starting value;
 - from the checkpoint's masters (``training_state.pt``): the mean distance each master moved, in
   bf16 spacings of its starting weight, and the share that moved half a spacing or more (weights
   that start at exactly 0 left out);
@@ -50,14 +51,18 @@ def spacing(w: torch.Tensor) -> torch.Tensor:
 def report(checkpoint: Path, start: Dict[str, torch.Tensor], names) -> None:
     saved = tune_weights(checkpoint / "policy")
     changed = total = 0
+    model_moved, nonzero = 0.0, 0
     for name in names:
         s, w = start[name].to(torch.bfloat16), saved[name]
         changed += int((w.to(torch.bfloat16) != s).sum()) if w.dtype == torch.bfloat16 else 0
         total += s.numel()
+        d = ((w.float() - s.float()).abs() / spacing(s))[s != 0]
+        model_moved, nonzero = model_moved + float(d.sum()), nonzero + d.numel()
     dtype = saved[names[0]].dtype
     line = f"{checkpoint}: policy {dtype}"
     if dtype == torch.bfloat16:
-        line += f", bf16 weights changed since the start: {changed / total:.2%}"
+        line += (f", bf16 weights changed since the start: {changed / total:.2%}, "
+                 f"moved {model_moved / nonzero:.3f} spacings on average")
     state_path = checkpoint / "training_state.pt"
     masters = None
     if state_path.is_file():

@@ -230,6 +230,11 @@ def test_one_pass_master_step_equals_clip_then_torch_adam_then_rounding(kind, we
         # a master within rounding of a bf16 midpoint may round either way: at most one spacing
         spacing = torch.finfo(torch.bfloat16).eps * a.float().abs().clamp(min=1e-30)
         assert ((a.float() - b.float()).abs() <= spacing).all()
+    # each path's bf16 weights are its own masters rounded as asked, bit for bit
+    for params, master in ((p_ref, m_ref), (p_new, m_new)):
+        for i, (p, m) in enumerate(zip(params, master.masters)):
+            want = m.to(torch.bfloat16) if rounding == "nearest" else dithered_bf16(m, rounding_salt(i))
+            assert torch.equal(p.detach(), want), (rounding, i)
     # the state is torch's layout: the fused run's optimizer state loads into the four-pass path
     o_ref.load_state_dict(copy.deepcopy(o_new.state_dict()))
 
