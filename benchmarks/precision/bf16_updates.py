@@ -7,7 +7,9 @@ about ``lr * m / sqrt(v)``, at most about ``lr`` in size (exactly ``lr`` on the 
 whose bf16 value is the same after ``w - u`` and after ``w + u`` for an update of size
 ``u = lr`` (the upper bound of a step: later steps are smaller, so the share is a lower bound
 of what plain bf16 AdamW loses). With fp32 master weights (``master_weights: true``, the
-default) none is lost: the masters accumulate the steps and the bf16 weights follow.
+default) none is lost in the masters, which accumulate the steps; the bf16 weights follow them
+once a master has moved half a spacing (``master_rounding: nearest``) or, on average, as they
+move (``dither``, the default; ``masters_reach_model.py`` measures what reached a run's model).
 
     python benchmarks/precision/bf16_updates.py [--checkpoint DIR] [--lr 1e-5 1e-4]
 

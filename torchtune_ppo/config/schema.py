@@ -574,13 +574,14 @@ SCHEMA: Tuple[Key, ...] = (
         "0.05) rounds to nothing. On several processes the masters are the trained models' fp32 FSDP2 shards, "
         "gathered in bf16 to compute (see [Precision](precision.md#bf16-with-fp32-master-weights)). No effect in "
         "fp32; with `optimizer_in_bwd` the bf16 weights are trained directly (noted at start)"),
-    Key("master_rounding", Choice(options=("nearest", "dither")), "nearest",
+    Key("master_rounding", Choice(options=("nearest", "dither")), "dither",
         "with `dtype: bf16` and `master_weights`: how each fp32 master is rounded into its bf16 weight after "
         "an optimizer step. `nearest`: round to nearest, so a weight changes only once its master has moved "
-        "half a bf16 spacing. `dither`: each weight rounds up past a fixed threshold of its own (a hash of its "
-        "position), so that of the weights whose masters moved a fraction `d` of a spacing, a share `d` "
-        "changes: updates too small for nearest rounding still reach the model on average. One process only "
-        "(on several, FSDP2 rounds to nearest); see [Precision](precision.md#rounding-the-masters)"),
+        "half a bf16 spacing (masters start on the bf16 grid: at lr 1e-5 most weights stay as they were for "
+        "the first dozen steps). `dither`: each weight rounds up past a fixed threshold of its own (a hash of "
+        "its position), so that of the weights whose masters moved a fraction `d` of a spacing, a share `d` "
+        "changes: the model moves on average as its masters do. One process only (on several, FSDP2 rounds "
+        "to nearest); see [Precision](precision.md#rounding-the-masters)"),
     # "auto" leaves one core so that one other busy process does not deschedule an OpenMP
     # thread its peers spin-wait for (measured on 2 cores with one busy process: 2 threads
     # 1.16 s a step, 1 thread 0.36 s; quiet: 0.26 s and 0.37 s).
