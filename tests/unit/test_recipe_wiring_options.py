@@ -5,8 +5,9 @@ reaching the scores, the adaptive KL coefficient carried across a resume, the to
 ``rollout_corr/*`` metrics; the save rules (``save_every_n_steps`` in global steps after value
 pretraining, ``save_every_n_epochs`` with the loader's batches an epoch) and
 ``keep_last_n_checkpoints`` through the run's loop; the batch's references reaching a reward
-function; TIS and MIS in bf16 with compiled scoring against eager; and 35 keys at once at a value
-other than the default, each read where the recipe put it."""
+function; TIS and MIS in bf16 with compiled scoring against eager; the one-pass bf16 master step
+clipping as the four passes; and 35 keys at once at a value other than the default, each read
+where the recipe put it."""
 
 import pytest
 import torch
@@ -353,3 +354,27 @@ def test_every_option_at_a_non_default_value_reaches_the_part_that_uses_it(make_
     assert {k: v for k, v in after.items() if v != pytest.approx(_NON_DEFAULTS[k])} == {}
     assert not [k for k in _NON_DEFAULTS if before[k] == after[k]]  # every key moved off its default
     assert recipe._rollout.generator.stop_token_ids == [2, 3]
+
+
+def test_the_one_pass_bf16_master_step_clips_as_the_four_passes(make_recipe):
+    """bf16 masters stepped in one pass (``compile.optimizer``'s path, here its eager function)
+    against the four passes, through the recipe's update, with a clip so tight that the clipped
+    gradients fall far below AdamW's ``eps``: each master moves ~lr/10 clipped, ~lr not (Adam
+    undoes a plain rescaling, so only such a clip shows whether it was applied). The masters
+    must agree, and have moved less than a third of lr."""
+    from torchtune_ppo.run.optim import adam_master_step
+
+    masters, starts = [], []
+    for one_pass in (False, True):
+        recipe, cfg = make_recipe(dtype="bf16", clip_grad_norm=1e-9, ppo_epochs=1, ppo_batch_size=8)
+        if one_pass:
+            recipe._master._step_fn = adam_master_step
+        assert recipe._master.fuses(recipe._update.optimizer) == one_pass
+        starts.append([m.clone() for m in recipe._master.masters])
+        recipe.train_step(*_first_batch(recipe), 0)
+        masters.append([m.clone() for m in recipe._master.masters])
+    lr = float(cfg.optimizer.lr)
+    moved = max(float((b - a).abs().max()) for a, b in zip(starts[1], masters[1]))
+    assert 0 < moved < lr / 3
+    for a, b in zip(*masters):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=lr * 1e-3)
