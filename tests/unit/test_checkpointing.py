@@ -235,6 +235,21 @@ def test_folder_without_valid_marker_is_skipped(run, state_dicts, caplog):
     assert (root / aside / "note.txt").read_text() == "kept"
 
 
+def test_a_step_folder_whose_marker_names_another_step_is_skipped(run, state_dicts, caplog):
+    """A complete step_2 copied (or renamed) to step_5: every file and size matches its marker,
+    but the marker says step 2, so step_5 is not a checkpoint of step 5 and the latest is step_2."""
+    out, policy, value = run
+    psd, vsd = state_dicts
+    manager = ckpt.CheckpointManager(out, policy, value)
+    for step in (1, 2):
+        manager.save(step, psd, vsd, {"step": step})
+    root = out / "checkpoints"
+    shutil.copytree(root / "step_2", root / "step_5")
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.latest_checkpoint(out) == root / "step_2"
+    assert "step_5: COMPLETE marker is for step 2" in caplog.text
+
+
 def test_same_step_twice_refuses(run, state_dicts):
     out, policy, value = run
     psd, vsd = state_dicts
