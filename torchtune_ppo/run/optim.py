@@ -340,6 +340,9 @@ class MasterWeights:
             if self._salts is None:
                 p.copy_(m)
                 continue
+            if not (p.is_contiguous() and m.is_contiguous()):  # positions in the logical order, whole
+                p.copy_(dithered_bf16(m, rounding_salt(i)))
+                continue
             flat_p, flat_m, salt = p.view(-1), m.view(-1), rounding_salt(i)
             for start in range(0, flat_m.numel(), _CHUNK):
                 end = min(start + _CHUNK, flat_m.numel())
