@@ -580,8 +580,9 @@ SCHEMA: Tuple[Key, ...] = (
         "half a bf16 spacing (masters start on the bf16 grid: at lr 1e-5 most weights stay as they were for "
         "the first dozen steps). `dither`: each weight rounds up past a fixed threshold of its own (a hash of "
         "its position), so that of the weights whose masters moved a fraction `d` of a spacing, a share `d` "
-        "changes: the model moves on average as its masters do. One process only (on several, FSDP2 rounds "
-        "to nearest); see [Precision](precision.md#rounding-the-masters)"),
+        "changes: the model moves on average as its masters do (the shipped LoRA configs set `nearest`: "
+        "dithering did not help them). One process only (on several, FSDP2 rounds to nearest); see "
+        "[Precision](precision.md#rounding-the-masters)"),
     # "auto" leaves one core so that one other busy process does not deschedule an OpenMP
     # thread its peers spin-wait for (measured on 2 cores with one busy process: 2 threads
     # 1.16 s a step, 1 thread 0.36 s; quiet: 0.26 s and 0.37 s).
