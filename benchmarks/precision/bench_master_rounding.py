@@ -25,7 +25,7 @@ from bench_common.stats import format_ratio, summarize_ratios  # noqa: E402
 
 from torchtune_ppo.compile import maybe_compile  # noqa: E402
 from torchtune_ppo.models import smollm2_135m, smollm2_135m_classifier  # noqa: E402
-from torchtune_ppo.run.optim import MasterWeights, adam_master_step  # noqa: E402
+from torchtune_ppo.run.optim import MasterStep, MasterWeights, adam_master_step, grad_sq_sum  # noqa: E402
 
 
 def shapes():
@@ -67,7 +67,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--paths", default="fused,eager")
     args = ap.parse_args()
-    step_fn = maybe_compile(adam_master_step, enabled=True, dynamic=True)
+    # what the recipe builds for compile.optimizer (torchtune_ppo.compile): the Adam step and the
+    # clip norm's sums of squares, both compiled
+    step_fn = MasterStep(step=maybe_compile(adam_master_step, enabled=True, dynamic=True),
+                         sq_sum=maybe_compile(grad_sq_sum, enabled=True, dynamic=True))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{sum(torch.Size(s).numel() for s in shapes()) / 1e6:.0f}M parameters")
     for path in args.paths.split(","):
