@@ -12,7 +12,8 @@ Both recipes get the config that ``bench_ppo.py --smollm2`` gives its rows
 (``ppo_bench.configs``): torchtune's recipe has no reward functions, so both score with a
 SmolLM2 reward model (the prepared body with a random head); evaluation off (torchtune's recipe
 has none); no gradient clipping and no checkpoint before the end (torchtune's clips nothing and
-saves per epoch). Rows:
+saves per epoch); our rows' ``cpu_threads`` is torch's default thread count, which torchtune's
+recipe runs (``--threads`` sets another; the shipped ``auto`` leaves a core free). Rows:
 
     ours          the config's compile setting (its shipped fast path), --dtype
     ours_eager    ours with compile=False
@@ -68,6 +69,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--starts", default="cold,warm", help="cold, warm or both (warm reuses the cold run's cache)")
     p.add_argument("--dtype", default=None, choices=("fp32", "bf16"),
                    help="both recipes' dtype (default: what dtype=auto picks on this machine)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="our rows' cpu_threads (default: torch's default thread count, which torchtune's recipe runs)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides of our config")
     args = p.parse_args(argv)
     args.row_names = args.rows.split(",")
@@ -97,6 +100,9 @@ def configs(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
     ours = ours_config(sizes, work / "ours_out", dtype=dtype)
     ours["compile"] = OmegaConf.to_container(shipped).get("compile", False)
     ours["compile_cache"] = False  # a second run's cache is the inductor folder, as for torchtune
+    # torchtune's recipe runs torch's default threads (every core); ours gets the same count, as in
+    # bench_ppo (the shipped `cpu_threads: auto` leaves a core free: one thread on a 2-core machine)
+    ours["cpu_threads"] = args.threads
     tt = torchtune_config(ours, sizes)
     return {"ours": ours, "torchtune": tt, "dtype": dtype, "eval": OmegaConf.to_container(shipped).get("eval")}
 
@@ -147,6 +153,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     import torch
 
+    args.threads = args.threads or torch.get_num_threads()
+
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "logs").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="whole_run_"))
@@ -160,7 +168,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                      *(sys.argv[1:] if argv is None else argv)]),
         "machine": {**machine_info(ROOT, torch.get_num_threads()), "loadavg_before": before,
                     "loadavg_after": loadavg()},
-        "dtype": cfgs["dtype"], "steps": args.steps, "ours_compile": cfgs["ours"]["compile"], "runs": results,
+        "dtype": cfgs["dtype"], "steps": args.steps, "ours_cpu_threads": args.threads,
+        "ours_compile": cfgs["ours"]["compile"], "runs": results,
     }
     (args.out / "whole_run.json").write_text(json.dumps(report, indent=2))
     lines = ["| row | start | whole run (s) | ours: first step (s) | ours: later step, median (s) | ours: evaluations (s) |",
