@@ -137,11 +137,11 @@ def run_one(name: str, start: str, cfgs: Dict[str, Any], work: Path, logs: Path)
     wall = time.perf_counter() - begin
     result = {"row": name, "start": start, "wall_s": round(wall, 1), "returncode": proc.returncode}
     if recipe == "ours" and proc.returncode == 0:
-        from torchtune_ppo.run.logs import read_disk_log
+        from torchtune_ppo.run.logs import read_disk_log, read_eval_log
 
-        records = read_disk_log(out / "logs")
+        records = read_disk_log(out / "logs")  # the training steps' rows
         steps = [r["time/step"] for r in records if "time/step" in r]
-        evals = [r["time/eval"] for r in records if "time/eval" in r]
+        evals = [r["time/eval"] for _, r in read_eval_log(out / "logs") if "time/eval" in r]
         result.update(steps=len(steps), first_step_s=round(steps[0], 1),
                       later_step_median_s=round(statistics.median(steps[1:]), 3) if len(steps) > 1 else None,
                       evaluations=len(evals), eval_s=[round(e, 1) for e in evals])
