@@ -11,6 +11,10 @@ with ``lora_attn_modules``, ``apply_lora_to_mlp``, ``apply_lora_to_output``, ``l
   (:func:`adapters_off`, torchtune's ``disable_adapter``): no second copy of the weights. With
   the adapters off a ``LoRALinear`` returns ``F.linear(x, W, b)``, so the reference logprobs are
   the base model's, bit for bit;
+- in bf16 (or fp16) each adapter's term is added inside its base product
+  (:class:`OneRoundingLoRALinear`, :func:`round_adapters_once`): ``x W^T + s B A x`` is rounded
+  once, where torchtune's ``LoRALinear`` rounds ``x W^T`` first and an adapter term under half
+  a spacing of it is lost;
 - checkpoints hold the adapters in the PEFT layout (:func:`peft_adapter_config`,
   :func:`adapter_state_dict`, written by torchtune's HF checkpointer) and, at the end, the merged
   weights (:func:`merged_state_dict`).
@@ -57,6 +61,7 @@ from torchtune_ppo._patches.torchtune_modules import final_hidden_states
 
 __all__ = [
     "LoraSettings",
+    "OneRoundingLoRALinear",
     "SharedBaseReward",
     "adapter_state_dict",
     "adapters_off",
@@ -72,6 +77,7 @@ __all__ = [
     "lora_settings",
     "merged_state_dict",
     "peft_adapter_config",
+    "round_adapters_once",
     "setup_lora_model",
     "train_adapters_only",
 ]
@@ -132,6 +138,42 @@ def adapters_off_for_good(model: nn.Module) -> None:
     for module in model.modules():
         if _is_adapter(module) and hasattr(module, "disabled"):
             module.disabled = True
+
+
+class OneRoundingLoRALinear(LoRALinear):
+    """torchtune's ``LoRALinear`` with its adapter's term added inside the base product.
+
+    ``LoRALinear`` returns ``F.linear(x, W) + s * B(A(x))``: in bf16 the base product is rounded
+    to bf16 first, onto the grid, and adding a term smaller than half a bf16 spacing of it rounds
+    back to the same value. An adapter starts at ``B = 0`` and grows by about ``lr`` a step, so in
+    a bf16 run its early updates (and later its small ones) change the gradients but not the
+    outputs: generation samples the base policy. Here ``torch.addmm(s * B(A(x)), x, W^T)`` sums
+    both in the product's fp32 accumulator and rounds once (CPU and CUDA kernels both accumulate
+    the added matrix before rounding; ``tests/parity/test_lora.py`` checks it against the fp32 sum).
+    Same parameters, state dict and gradients; with the adapters off (or a quantized base) it is
+    ``LoRALinear``'s own forward, so the reference policy stays the base model bit for bit.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.disabled or self._quantize_base:
+            return super().forward(x)
+        term = (self.alpha / self.rank) * self.lora_b(self.lora_a(self.dropout(x)))
+        if self.bias is not None:
+            term = term + self.bias
+        out = torch.addmm(term.reshape(-1, self.out_dim), x.reshape(-1, self.in_dim), self.weight.t())
+        return out.view(*x.shape[:-1], self.out_dim)
+
+
+def round_adapters_once(model: nn.Module) -> int:
+    """Every torchtune ``LoRALinear`` of ``model`` becomes an :class:`OneRoundingLoRALinear` (its
+    class swapped in place: parameters, hooks and ``isinstance`` checks unchanged); before FSDP2
+    wraps the model. Returns how many were changed."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is LoRALinear:
+            module.__class__ = OneRoundingLoRALinear
+            changed += 1
+    return changed
 
 
 def train_adapters_only(model: nn.Module, also: Sequence[str] = ()) -> List[str]:

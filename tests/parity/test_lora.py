@@ -168,3 +168,104 @@ def test_classifier_checkpointer_writes_adapters_like_torchtunes(tmp_path):
     assert json.loads((a / "adapter_config.json").read_text()) == json.loads((b / "adapter_config.json").read_text())
     pa = torch.load(a / "adapter_model.pt", weights_only=True)
     assert pa.keys() == lora.adapter_state_dict(model).keys()
+
+
+# ---- bf16: the adapter's term added inside the base product ---------------------------------
+
+
+def _bf16_lora_linear(b_std, seed=0):
+    """A torchtune ``LoRALinear`` (64 -> 96, rank 4, alpha 8) in bf16 and an input for it; the
+    base weights of unit-scale outputs, ``lora_b`` of ``b_std``: a term of ~``50 * b_std``."""
+    from torchtune.modules.peft import LoRALinear
+
+    g = torch.Generator().manual_seed(seed)
+    layer = LoRALinear(64, 96, rank=4, alpha=8.0)
+    with torch.no_grad():
+        layer.weight.normal_(std=0.15, generator=g)
+        layer.lora_a.weight.normal_(std=0.2, generator=g)
+        layer.lora_b.weight.normal_(std=b_std, generator=g)
+    x = torch.randn(2, 40, 64, generator=g)
+    return layer.to(torch.bfloat16), x.to(torch.bfloat16)
+
+
+def _swapped(layer):
+    import copy
+
+    layer = copy.deepcopy(layer)
+    assert lora.round_adapters_once(layer) == 1 and isinstance(layer, lora.OneRoundingLoRALinear)
+    return layer
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("b_std", [1e-4, 2e-3])
+def test_bf16_adapter_term_is_rounded_once_with_the_base_product(b_std):
+    """torchtune's ``LoRALinear`` rounds ``x W^T`` to bf16 and then adds the adapter's term: a term
+    under half a bf16 spacing of the product leaves it unchanged. The swapped class's output is
+    ``x W^T + term`` summed in fp32 and rounded once."""
+    layer, x = _bf16_lora_linear(b_std)
+    term = (layer.alpha / layer.rank) * layer.lora_b(layer.lora_a(x))  # the adapter's own bf16 term
+    exact = (x.float() @ layer.weight.float().t() + term.float()).to(torch.bfloat16)
+    base = torch.nn.functional.linear(x, layer.weight)
+    ours, theirs = _swapped(layer)(x), layer(x)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (2, 40, 96)
+    # the sum rounded once, up to the product's order of accumulation; torchtune's two roundings
+    # land elsewhere in a share of the outputs
+    assert (ours == exact).float().mean() > 0.99
+    assert (theirs == exact).float().mean() < 0.9
+    # what the adapter changes: as many outputs as the exact sum changes; with the smaller term
+    # torchtune's class leaves more of them at the base product's value
+    changed = {name: (y != base).float().mean().item() for name, y in
+               (("exact", exact), ("ours", ours), ("theirs", theirs))}
+    assert changed["exact"] > 0.05, changed
+    assert abs(changed["ours"] - changed["exact"]) < 0.01 * changed["exact"] + 1e-3, changed
+    if b_std < 1e-3:
+        assert changed["theirs"] < 0.85 * changed["exact"], changed
+
+
+def test_one_rounding_adapters_keep_the_parameters_gradients_and_the_off_switch():
+    """Same parameters and state dict; in fp32 the same output and gradients as torchtune's
+    ``LoRALinear`` (only the summation differs); adapters off: ``F.linear`` bit for bit, in bf16."""
+    layer, x = _bf16_lora_linear(2e-3, seed=1)
+    layer32, x32 = layer.float(), x.float().requires_grad_(True)
+    ours = _swapped(layer32)
+    assert list(ours.state_dict()) == list(layer32.state_dict())
+    grads = []
+    for module in (layer32, ours):
+        module.zero_grad()
+        x32.grad = None
+        (module(x32).square().sum()).backward()
+        grads.append([x32.grad.clone(), module.lora_a.weight.grad.clone(), module.lora_b.weight.grad.clone()])
+    for theirs_g, ours_g in zip(*grads):
+        torch.testing.assert_close(ours_g, theirs_g, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layer16 = _swapped(layer.to(torch.bfloat16))
+        layer16.disabled = True
+        assert torch.equal(layer16(x), torch.nn.functional.linear(x, layer16.weight))
+        layer16.disabled = False
+        with torch.no_grad():
+            layer16.lora_b.weight.zero_()  # zero B: the base product exactly, as torchtune's class
+        assert torch.equal(layer16(x), torch.nn.functional.linear(x, layer16.weight))
+
+
+@pytest.mark.slow  # inductor compiles the layer's forward and backward
+def test_compiled_one_rounding_adapter_matches_eager_in_bf16():
+    """Compiled by inductor, the swapped class keeps ``addmm``'s single rounding: the same outputs
+    and gradients as eager, within bf16's rounding of the gradients' last products."""
+    layer, x = _bf16_lora_linear(2e-4, seed=2)
+    ours = _swapped(layer)
+    ours.lora_a.weight.requires_grad_(True)
+
+    def step(forward, inp):
+        out = forward(inp)
+        out.float().square().sum().backward()  # through AOTAutograd's compiled backward when compiled
+        return out.detach()
+
+    eager_out = step(ours, x)
+    eager_grads = [ours.lora_a.weight.grad.clone(), ours.lora_b.weight.grad.clone()]
+    ours.zero_grad(set_to_none=True)
+    compiled_out = step(torch.compile(ours.forward, backend="inductor", fullgraph=True), x)
+    assert (compiled_out == eager_out).float().mean() > 0.99
+    base = torch.nn.functional.linear(x, ours.weight)
+    assert (compiled_out != base).float().mean() > 0.5 * (eager_out != base).float().mean()
+    for got, want in zip([ours.lora_a.weight.grad, ours.lora_b.weight.grad], eager_grads):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.float().abs().max().item())

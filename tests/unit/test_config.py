@@ -1,6 +1,7 @@
 """A bad config stops in validation, before any weights are read, with a message naming the key."""
 
 import dataclasses
+import logging
 import math
 import re
 from pathlib import Path
@@ -470,7 +471,7 @@ def test_shard_frozen_models_is_an_optional_bool():
         validate_config(_cfg(shard_frozen_models="always"))
 
 
-def test_cpu_threads_auto_leaves_a_core_free(monkeypatch):
+def test_cpu_threads_auto_leaves_a_core_free(monkeypatch, caplog):
     import os
 
     from torchtune_ppo.config import cpu_threads
@@ -478,8 +479,15 @@ def test_cpu_threads_auto_leaves_a_core_free(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
     assert cpu_threads("auto") == max(1, cores - 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})  # a 4-core machine
+    with caplog.at_level(logging.INFO):
+        assert cpu_threads("auto") == 3
+    assert "cpu_threads=auto: 3 thread(s) on 4 cores" in caplog.text and "cpu_threads=4 runs faster" in caplog.text
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cpu_threads("auto") == 3 and cpu_threads(2) == 2  # the environment wins over auto only
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
+    assert cpu_threads("auto") == 1 and cpu_threads(2) == 1  # one core: one thread, a larger setting capped
     with pytest.raises(ValueError, match="cpu_threads must be 'auto' or a positive integer, got 0"):
         validate_config(_cfg(cpu_threads=0))
 

@@ -94,6 +94,20 @@ def test_lora_reference_logprobs_are_the_base_models_after_the_adapters_moved(ma
     assert (traj.logprobs - base_logprobs)[valid].abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_lora_models_add_the_adapter_term_inside_the_base_product_in_bf16(make_recipe, dtype):
+    """bf16: every trained model's adapters are ``OneRoundingLoRALinear`` (the term rounded once with
+    the base product); fp32 keeps torchtune's ``LoRALinear`` as it is."""
+    from torchtune.modules.peft import LoRALinear
+
+    from torchtune_ppo.lora import OneRoundingLoRALinear
+
+    recipe, _ = make_recipe("ppo_tiny_sentiment_lora.yaml", dtype=dtype)
+    for name in ("policy", "value"):
+        kinds = {type(m) for m in getattr(recipe._models, name).modules() if isinstance(m, LoRALinear)}
+        assert kinds == ({OneRoundingLoRALinear} if dtype == "bf16" else {LoRALinear}), (name, kinds)
+
+
 # ---- infinite scores and KL through the recipe's step ---------------------------------------
 
 

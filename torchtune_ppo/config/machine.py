@@ -80,6 +80,11 @@ def cpu_threads(setting: Any) -> int:
         return int(setting)
     if omp is not None:
         return omp
+    if cores > 1:
+        utils.get_logger("INFO").info(
+            f"cpu_threads=auto: {cores - 1} thread(s) on {cores} cores, one left free (beside another busy "
+            f"process every core would make OpenMP's threads wait for each other); on a machine of its own "
+            f"cpu_threads={cores} runs faster.")
     return max(1, cores - 1)
 
 

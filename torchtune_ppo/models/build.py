@@ -136,6 +136,8 @@ class _Builder:
         else:
             model.load_state_dict(state_dict)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
+        if adapters and self.dtype in (torch.bfloat16, torch.float16):  # x W^T + s B A x rounded once
+            lora.round_adapters_once(model)
         if fp32_logits and cfg.get("fp32_logits", False) and self.dtype != torch.float32:
             fp32_output(model)
         # Dropout would make the trajectory's logprobs disagree with the loss step's.
