@@ -115,7 +115,7 @@ def lora_settings(model: nn.Module) -> LoraSettings:
     layers = {name: m for name, m in model.named_modules() if _is_adapter(m)}
     if not layers:
         raise ValueError("the model has no LoRA layers; build it with a LoRA builder (e.g. lora_llama3_2_1b).")
-    other = sorted({type(m).__name__ for m in layers.values() if type(m) is not LoRALinear})
+    other = sorted({type(m).__name__ for m in layers.values() if type(m) not in (LoRALinear, OneRoundingLoRALinear)})
     if other:
         raise ValueError(f"only plain LoRA (LoRALinear) is supported, the model holds {other} "
                          "(use_dora and quantize_base must be False).")

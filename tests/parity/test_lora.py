@@ -83,6 +83,8 @@ def test_settings_and_peft_config():
     assert lora.lora_settings(model) == lora.LoraSettings(4, 8.0, ["q_proj", "v_proj"])
     assert lora.peft_adapter_config(model) == {"r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj", "v_proj"],
                                                 "peft_type": "LORA"}
+    assert lora.round_adapters_once(model) == 4  # bf16's adapters: the same settings
+    assert lora.lora_settings(model) == lora.LoraSettings(4, 8.0, ["q_proj", "v_proj"])
     model.layers[0].attn.q_proj.rank = 2  # mixed ranks cannot be one adapter_config.json
     with pytest.raises(ValueError, match=r"same \(rank, alpha\)"):
         lora.lora_settings(model)

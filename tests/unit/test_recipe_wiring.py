@@ -102,10 +102,19 @@ def test_lora_models_add_the_adapter_term_inside_the_base_product_in_bf16(make_r
 
     from torchtune_ppo.lora import OneRoundingLoRALinear
 
-    recipe, _ = make_recipe("ppo_tiny_sentiment_lora.yaml", dtype=dtype)
+    recipe, cfg = make_recipe("ppo_tiny_sentiment_lora.yaml", dtype=dtype)
     for name in ("policy", "value"):
         kinds = {type(m) for m in getattr(recipe._models, name).modules() if isinstance(m, LoRALinear)}
         assert kinds == ({OneRoundingLoRALinear} if dtype == "bf16" else {LoRALinear}), (name, kinds)
+    # and a checkpoint of them is written as before: the adapters' PEFT config, rank and alpha
+    import json
+    from pathlib import Path
+
+    path = Path(recipe.save_checkpoint(1))
+    configs = sorted(path.rglob("adapter_config.json"))
+    assert configs, sorted(p.name for p in path.rglob("*"))
+    adapter = json.loads(configs[0].read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (cfg.policy_model.lora_rank, cfg.policy_model.lora_alpha)
 
 
 # ---- infinite scores and KL through the recipe's step ---------------------------------------
