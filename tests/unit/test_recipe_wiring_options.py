@@ -123,7 +123,31 @@ def test_rollout_corr_means_are_over_tokens(make_recipe, correction):
     assert metrics["rollout_corr/log_ratio_mean"] != pytest.approx(float(d.sum()) / rows, abs=1e-3)
 
 
-# ---- the save rules and the pruning, through the recipe's loop --------------------------------
+@pytest.mark.parametrize("mode", [None, "tis"])
+def test_rollout_correction_takes_the_old_logprobs_from_the_trainers_forward(make_recipe, mode):
+    """With ``rollout_correction`` the scoring recomputes the sampled tokens' logprobs with the
+    policy's own forward: the trajectory's ``logprobs`` are the trainer's, the generator's are kept
+    as ``rollout_logprobs``. The generator's logprobs are moved by 0.5 here, so only a recomputed
+    ``logprobs`` stays away from them; without correction both are the generator's."""
+    extra = {} if mode is None else {"rollout_correction.mode": mode, "rollout_correction.threshold": 100.0}
+    recipe, _ = make_recipe(ppo_epochs=1, ppo_batch_size=8, **extra)
+    generator = recipe._rollout.generator
+    generate = generator.generate
+
+    def moved(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        return out._replace(logprobs=out.logprobs - 0.5)
+
+    generator.generate = moved
+    seen = _record_rollouts(recipe)
+    recipe.train_step(*_first_batch(recipe), 0)
+    (t,) = seen
+    valid = ~t.response_padding_masks
+    if mode is None:
+        assert t.rollout_logprobs is None or torch.equal(t.rollout_logprobs[valid], t.logprobs[valid])
+        return
+    gap = (t.logprobs - t.rollout_logprobs)[valid]
+    assert gap.abs().min() > 0.45 and gap.abs().max() < 0.55, gap  # the trainer's, 0.5 from the generator's
 
 
 def _fake_steps(recipe):
