@@ -150,6 +150,28 @@ def test_rollout_correction_takes_the_old_logprobs_from_the_trainers_forward(mak
     assert gap.abs().min() > 0.45 and gap.abs().max() < 0.55, gap  # the trainer's, 0.5 from the generator's
 
 
+@pytest.mark.parametrize("adapters_only", [False, True])
+def test_a_lora_runs_last_save_merges_the_adapters_unless_told_not_to(make_recipe, adapters_only):
+    """The run's last save of a LoRA policy writes merged full weights beside its adapters
+    (``save_adapter_weights_only: False``, the default), and only the adapters when it is True."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    recipe, _ = make_recipe("ppo_tiny_sentiment_lora.yaml", save_adapter_weights_only=adapters_only)
+    path = Path(recipe._checkpoints.save(1, recipe._progress.state_dict(), final=True))
+    weights = {k for f in (path / "policy").rglob("*.safetensors") if "adapter" not in f.name
+               for k in load_file(f)}
+    assert sorted(p.name for p in path.rglob("adapter_config.json"))  # the adapters, either way
+    if adapters_only:
+        assert not weights, sorted(weights)[:5]
+    else:  # the base's names, the adapters folded into them
+        assert weights and not any("lora" in k for k in weights), sorted(weights)[:5]
+
+
+# ---- the save rules and the pruning, through the recipe's loop --------------------------------
+
+
 def _fake_steps(recipe):
     """The recipe's loop with each step's work replaced by a row of metrics (a value loss that
     keeps value pretraining going): what is left is the loop's own bookkeeping, its save rules
