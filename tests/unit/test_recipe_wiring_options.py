@@ -169,6 +169,23 @@ def test_a_lora_runs_last_save_merges_the_adapters_unless_told_not_to(make_recip
         assert weights and not any("lora" in k for k in weights), sorted(weights)[:5]
 
 
+def test_group_metrics_are_logged_from_two_samples_a_prompt(make_recipe):
+    """``group_score_std`` and ``zero_std_groups`` (advantages.group_metrics) are logged for any
+    group size from 2, the smallest group there is, and are over the step's own scores."""
+    from torchtune_ppo.ppo.advantages import group_metrics
+
+    recipe, cfg = make_recipe("grpo_tiny_arithmetic.yaml", num_samples_per_prompt=2, batch_size=4,
+                              forward_batch_size=8, ppo_batch_size=8)
+    seen = _record_rollouts(recipe)
+    batch = next(iter(recipe._dataloader))
+    metrics = recipe.train_step(batch["tokens"], batch["prompt_lens"], 0, batch.get("references"))
+    (t,) = seen
+    expected = group_metrics(t.scores, 2)
+    assert set(expected) <= set(metrics), sorted(metrics)
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-6), key
+
+
 # ---- the save rules and the pruning, through the recipe's loop --------------------------------
 
 
