@@ -186,6 +186,20 @@ def test_group_metrics_are_logged_from_two_samples_a_prompt(make_recipe):
         assert metrics[key] == pytest.approx(value, abs=1e-6), key
 
 
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_checkpoint_format_reaches_the_save(make_recipe, fmt):
+    """``checkpoint_format: sharded`` writes the step's tensors as shards (torch.distributed.checkpoint
+    under ``shards/``), ``full`` as HF weights with no shards."""
+    from pathlib import Path
+
+    from torchtune_ppo.checkpointing.store import SHARDS_DIRNAME
+
+    recipe, _ = make_recipe(checkpoint_format=fmt)
+    path = Path(recipe.save_checkpoint(1))
+    shards = sorted(p.name for p in (path / SHARDS_DIRNAME).glob("*.distcp"))
+    assert bool(shards) == (fmt == "sharded"), sorted(p.relative_to(path).as_posix() for p in path.rglob("*"))
+
+
 # ---- the save rules and the pruning, through the recipe's loop --------------------------------
 
 
