@@ -136,6 +136,9 @@ def test_exact_match_bad_arguments(kwargs, match):
 def test_format_match():
     assert _call(FormatMatch(r"^-?\d+$"), ["19", "19 apples", "-3", ""]) == [1.0, 0.0, 1.0, 0.0]
     assert _call(FormatMatch(r"\d+", fullmatch=True, reward=0.5, penalty=-0.5), ["12", "a12"]) == [0.5, -0.5]
+    # without fullmatch the pattern is searched for anywhere, not only at the start
+    assert _call(FormatMatch(r"<answer>\d+</answer>"), ["so <answer>7</answer>", "<answer>7</answer>", "7"]) == [
+        1.0, 1.0, 0.0]
     with pytest.raises(ValueError, match="FormatMatch: pattern '\\[' is not a valid"):
         FormatMatch("[")
 
