@@ -129,6 +129,21 @@ def test_rng_capture_restore_reproduces_draws(tmp_path):
         training_state.restore_rng_state(state, [g1])
 
 
+def test_a_resumed_runs_random_states_are_put_back_once():
+    """``restore_pending_rng`` puts a resume's saved random states back at the first epoch start
+    it reaches, and at none after: a later epoch draws on, as the uninterrupted run did."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(3)
+    client = SimpleNamespace(pending_rng=training_state.capture_rng_state([g]),
+                             restore_rng=lambda rng: training_state.restore_rng_state(rng, [g]))
+    first = torch.rand(3, generator=g)
+    training_state.CheckpointClient.restore_pending_rng(client)  # the resumed epoch's start
+    assert torch.equal(torch.rand(3, generator=g), first) and client.pending_rng is None
+    second = torch.rand(3, generator=g)
+    training_state.CheckpointClient.restore_pending_rng(client)  # the next epoch's: nothing to put back
+    assert not torch.equal(torch.rand(3, generator=g), second)
+
 def test_non_finite_weights_write_nothing(run, state_dicts):
     out, policy, value = run
     psd, vsd = state_dicts
