@@ -148,8 +148,9 @@ class OneRoundingLoRALinear(LoRALinear):
     back to the same value. An adapter starts at ``B = 0`` and grows by about ``lr`` a step, so in
     a bf16 run its early updates (and later its small ones) change the gradients but not the
     outputs: generation samples the base policy. Here ``torch.addmm(s * B(A(x)), x, W^T)`` sums
-    both in the product's fp32 accumulator and rounds once (CPU and CUDA kernels both accumulate
-    the added matrix before rounding; ``tests/parity/test_lora.py`` checks it against the fp32 sum).
+    both in the product's fp32 accumulator and rounds once (the CPU kernel adds the matrix before
+    rounding, ``tests/parity/test_lora.py`` checks it against the fp32 sum; cuBLAS computes
+    ``A B + C`` in its fp32 compute type too, not yet run on a GPU here).
     Same parameters, state dict and gradients; with the adapters off (or a quantized base) it is
     ``LoRALinear``'s own forward, so the reference policy stays the base model bit for bit.
     """
