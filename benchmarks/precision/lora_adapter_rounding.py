@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from torchtune.models.convert_weights import hf_to_tune
 from torchtune.modules.peft import LoRALinear
 
+from torchtune_ppo import lora
 from torchtune_ppo.models import lora_smollm2_135m, smollm2_tokenizer
 
 SMOLLM2 = Path(os.environ.get("TORCHTUNE_PPO_SMOLLM2_DIR", Path.home() / ".cache/torchtune_ppo/SmolLM2-135M-Instruct"))
@@ -53,8 +54,8 @@ def measure(inputs: dict, sigma: float, generator: torch.Generator) -> tuple:
         term = (m.alpha / m.rank) * m.lora_b(m.lora_a(x))
         base = F.linear(x, m.weight)
         single = (x.float() @ m.weight.float().t() + term.float()).to(torch.bfloat16)
-        theirs = base + term
-        ours = torch.addmm(term.reshape(-1, m.out_dim), x.reshape(-1, m.in_dim), m.weight.t()).view_as(base)
+        theirs = LoRALinear.forward(m, x)  # torchtune's own forward
+        ours = m(x)  # the recipe's bf16 class (round_adapters_once)
         want = term.float()
         for i, y in enumerate((theirs, ours)):
             off[i] += (y != single).sum().item()
@@ -81,6 +82,7 @@ def main() -> None:
     length = min(len(i) for i in ids)
     tokens = torch.tensor([i[:length] for i in ids])
     inputs = layer_inputs(model, tokens)
+    lora.round_adapters_once(model)
     print(f"{len(inputs)} LoRA layers, {tokens.numel()} tokens, bf16")
     generator = torch.Generator().manual_seed(1)
     for sigma in args.sigmas:
