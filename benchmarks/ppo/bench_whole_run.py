@@ -13,7 +13,7 @@ Both recipes get the config that ``bench_ppo.py --smollm2`` gives its rows
 SmolLM2 reward model (the prepared body with a random head); evaluation off (torchtune's recipe
 has none); no gradient clipping and no checkpoint before the end (torchtune's clips nothing and
 saves per epoch); our rows' ``cpu_threads`` is torch's default thread count, which torchtune's
-recipe runs (``--threads`` sets another; the shipped ``auto`` leaves a core free). Rows:
+recipe runs (``--threads`` sets another; the shipped ``auto`` would leave out a core another process keeps busy). Rows:
 
     ours          the config's compile setting (its shipped fast path), --dtype
     ours_eager    ours with compile=False
@@ -101,7 +101,7 @@ def configs(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
     ours["compile"] = OmegaConf.to_container(shipped).get("compile", False)
     ours["compile_cache"] = False  # a second run's cache is the inductor folder, as for torchtune
     # torchtune's recipe runs torch's default threads (every core); ours gets the same count, as in
-    # bench_ppo (the shipped `cpu_threads: auto` leaves a core free: one thread on a 2-core machine)
+    # bench_ppo, whatever the machine's load at start-up (what `cpu_threads: auto` reads)
     ours["cpu_threads"] = args.threads
     tt = torchtune_config(ours, sizes)
     return {"ours": ours, "torchtune": tt, "dtype": dtype, "eval": OmegaConf.to_container(shipped).get("eval")}

@@ -471,25 +471,62 @@ def test_shard_frozen_models_is_an_optional_bool():
         validate_config(_cfg(shard_frozen_models="always"))
 
 
-def test_cpu_threads_auto_leaves_a_core_free(monkeypatch, caplog):
+def test_cpu_threads_auto_leaves_the_cores_other_processes_keep_busy(monkeypatch, caplog):
     import os
 
     from torchtune_ppo.config import cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cores = len(os.sched_getaffinity(0))
-    assert cpu_threads("auto") == max(1, cores - 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})  # a 4-core machine
+    seen = []
+
+    def busy(n):
+        return lambda cores: seen.append(list(cores)) or n
+
     with caplog.at_level(logging.INFO):
-        assert cpu_threads("auto") == 3
-    assert "cpu_threads=auto: 3 thread(s) on 4 cores" in caplog.text and "cpu_threads=4 runs faster" in caplog.text
+        assert cpu_threads("auto", busy=busy(0.2)) == 4  # quiet: every core
+    assert seen == [[0, 1, 2, 3]]  # asked about this process's own cores
+    assert "cpu_threads=auto: 4 thread(s) on 4 cores (other processes kept 0.2 of them busy" in caplog.text
+    assert cpu_threads("auto", busy=busy(0.6)) == 3  # one busy process keeps its core
+    assert cpu_threads("auto", busy=busy(2.4)) == 2
+    assert cpu_threads("auto", busy=busy(9.0)) == 1  # never fewer than one
+    assert cpu_threads("auto", busy=busy(None)) == 4  # unreadable (not Linux): every core, as torch does
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two processes of one run share the free cores
+    assert cpu_threads("auto", busy=busy(0.0)) == 2 and cpu_threads("auto", busy=busy(1.0)) == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert cpu_threads("auto") == 3 and cpu_threads(2) == 2  # the environment wins over auto only
+    assert cpu_threads("auto", busy=busy(0.0)) == 3 and cpu_threads(2) == 2  # the environment wins over auto only
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
-    assert cpu_threads("auto") == 1 and cpu_threads(2) == 1  # one core: one thread, a larger setting capped
+    assert cpu_threads("auto", busy=busy(0.0)) == 1 and cpu_threads(2) == 1  # one core: one thread, a larger setting capped
     with pytest.raises(ValueError, match="cpu_threads must be 'auto' or a positive integer, got 0"):
         validate_config(_cfg(cpu_threads=0))
+
+
+def test_busy_cores_reads_each_cores_busy_share_from_proc_stat(tmp_path, monkeypatch):
+    """The busy share of a core is everything but idle and iowait; steal counts as busy."""
+    from torchtune_ppo.config import machine
+
+    stat = tmp_path / "stat"
+    #            user nice system idle iowait irq softirq steal
+    first = ("cpu  0 0 0 0 0 0 0 0\ncpu0 100 0 0 100 0 0 0 0\ncpu1 0 0 0 200 0 0 0 0\n"
+             "cpu2 0 0 0 100 0 0 0 0\nintr 1 2\n")
+    later = ("cpu  0 0 0 0 0 0 0 0\ncpu0 150 10 20 110 10 0 0 0\ncpu1 0 0 0 300 0 0 0 0\n"
+             "cpu2 0 0 0 150 0 0 0 50\nintr 1 2\n")
+    monkeypatch.setattr(machine.time, "sleep", lambda s: stat.write_text(later))
+
+    def busy(cores):
+        stat.write_text(first)
+        return machine.busy_cores(cores, stat=str(stat))
+
+    # cpu0: 80 busy of 100 ticks; cpu1: idle; cpu2: 50 stolen of 100
+    assert busy([0, 1]) == pytest.approx(0.8)
+    assert busy([0, 1, 2]) == pytest.approx(1.3)
+    assert busy([0, 7]) is None  # a core the file does not list
+    assert machine.busy_cores([0], stat=str(tmp_path / "missing")) is None
+    stat.write_text("cpu0 a b c d e\n")
+    assert machine.busy_cores([0], stat=str(stat)) is None
 
 
 def test_bf16_master_weights_only_where_they_are_kept():

@@ -2,7 +2,8 @@
 (``cpu_threads`` and ``OMP_NUM_THREADS``)."""
 
 import os
-from typing import Any, Optional, Tuple
+import time
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torchtune import utils
@@ -59,17 +60,30 @@ def _device_availability(kind: str) -> Tuple[bool, Optional[int], str]:
     return bool(is_npu_available), None, "torchtune.utils.is_npu_available"
 
 
-def cpu_threads(setting: Any) -> int:
+def cpu_threads(setting: Any, busy: Optional[Callable[[Sequence[int]], Optional[float]]] = None) -> int:
     """The thread count ``cpu_threads`` means on this machine (see its key in ``SCHEMA``).
+
+    ``auto``: ``OMP_NUM_THREADS`` when set; else the cores this process may run on less those
+    other processes keep busy at start-up (:func:`busy_cores`, rounded), shared among the
+    processes torchrun started on this machine (``LOCAL_WORLD_SIZE``), at least 1. On a machine
+    of its own that is every core; beside a busy process it leaves that process its core, where
+    every core would make OpenMP's threads spin-wait for a descheduled peer (several times
+    slower, ``benchmarks/RESULTS.md``, "CPU threads under load").
 
     A number above the cores this process may run on is capped to them with a warning: more
     OpenMP threads than cores spin-wait for each other and run several times slower.
+
+    Args:
+        setting (Any): ``"auto"`` or a positive integer.
+        busy (Optional[Callable]): how busy the cores are (cores in, busy cores or None out);
+            None: :func:`busy_cores`.
 
     Raises:
         ValueError: ``OMP_NUM_THREADS`` is set but is not a positive integer (or OpenMP's list of
             them, ``4,2``), naming its value and what is valid.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = len(affinity)
     omp = omp_num_threads()
     if setting != "auto":
         if int(setting) > cores:
@@ -80,12 +94,71 @@ def cpu_threads(setting: Any) -> int:
         return int(setting)
     if omp is not None:
         return omp
-    if cores > 1:
-        utils.get_logger("INFO").info(
-            f"cpu_threads=auto: {cores - 1} thread(s) on {cores} cores, one left free (beside another busy "
-            f"process every core would make OpenMP's threads wait for each other); on a machine of its own "
-            f"cpu_threads={cores} runs faster.")
-    return max(1, cores - 1)
+    local = _local_world_size()
+    taken = (busy or busy_cores)(affinity)
+    others = 0 if taken is None else min(cores, int(taken + 0.5))
+    threads = max(1, (cores - others) // local)
+    seen = ("how busy they are could not be read (/proc/stat), so all are used" if taken is None
+            else f"other processes kept {taken:.1f} of them busy at start-up")
+    shared = f", shared by {local} processes on this machine" if local > 1 else ""
+    utils.get_logger("INFO").info(
+        f"cpu_threads=auto: {threads} thread(s) on {cores} cores ({seen}{shared}); cpu_threads=N chooses. "
+        "A process that starts later beside this run can slow it several times (OpenMP's threads wait for "
+        "a descheduled peer): then set cpu_threads below the cores.")
+    return threads
+
+
+def busy_cores(cores: Sequence[int], interval: float = 0.25, stat: str = "/proc/stat") -> Optional[float]:
+    """How many of ``cores`` other processes keep busy: the busy share of each (user, system,
+    interrupts and time the hypervisor took, i.e. not idle nor waiting for I/O) over
+    ``interval`` seconds of ``stat`` (Linux's ``/proc/stat``), summed; this process sleeps
+    meanwhile. None where the file cannot be read or parsed (not Linux)."""
+    before = _core_times(stat)
+    if before is None:
+        return None
+    time.sleep(interval)
+    after = _core_times(stat)
+    if after is None:
+        return None
+    total = 0.0
+    for core in cores:
+        if core not in before or core not in after:
+            return None
+        (busy0, all0), (busy1, all1) = before[core], after[core]
+        if all1 > all0:
+            total += (busy1 - busy0) / (all1 - all0)
+    return total
+
+
+def _core_times(stat: str) -> Optional[Dict[int, Tuple[int, int]]]:
+    """Each core's ``(busy, all)`` clock ticks since boot, from ``stat``'s ``cpuN`` lines."""
+    try:
+        with open(stat) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    times = {}
+    for line in lines:
+        name, *fields = line.split()
+        if not (name.startswith("cpu") and name[3:].isdigit()):
+            continue
+        try:
+            ticks = [int(x) for x in fields[:8]]
+        except ValueError:
+            return None
+        if len(ticks) < 5:
+            return None
+        idle = ticks[3] + ticks[4]  # idle and iowait
+        times[int(name[3:])] = (sum(ticks) - idle, sum(ticks))
+    return times or None
+
+
+def _local_world_size() -> int:
+    """The processes torchrun started on this machine (``LOCAL_WORLD_SIZE``), 1 without it."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def omp_num_threads() -> Optional[int]:
@@ -104,5 +177,5 @@ def omp_num_threads() -> Optional[int]:
         raise ValueError(
             f"OMP_NUM_THREADS={value!r} is not a positive integer: set it to the number of CPU "
             "threads to use (e.g. OMP_NUM_THREADS=1), or unset it and the config's cpu_threads "
-            "decides (`auto`: every core but one).")
+            "decides (`auto`: every core other processes leave free).")
     return int(counts[0])

@@ -583,12 +583,11 @@ SCHEMA: Tuple[Key, ...] = (
         "changes: the model moves on average as its masters do (the shipped LoRA configs set `nearest`: "
         "dithering did not help them). One process only (on several, FSDP2 rounds to nearest); see "
         "[Precision](precision.md#rounding-the-masters)"),
-    # "auto" leaves one core so that one other busy process does not deschedule an OpenMP
-    # thread its peers spin-wait for (measured on 2 cores with one busy process: 2 threads
-    # 1.16 s a step, 1 thread 0.36 s; quiet: 0.26 s and 0.37 s).
+    # "auto" leaves the cores other processes keep busy at start-up: one busy process beside two
+    # OpenMP threads on 2 cores made a step 4.3x slower (RESULTS, "CPU threads under load").
     Key("cpu_threads", Count(also=("auto",)), "auto",
-        "threads for CPU work: `auto` is every core but one (`OMP_NUM_THREADS`, when set, wins), "
-        "or exactly that many"),
+        "threads for CPU work: `auto` is every core this process may use less those other processes "
+        "keep busy at start-up (`OMP_NUM_THREADS`, when set, wins), or exactly that many"),
     Key("num_ppo_steps", Count(), REQUIRED,
         "PPO steps to run; or torchtune's `num_steps`, which counts prompts "
         "(`num_steps // batch_size` PPO steps)", torchtune_key="num_steps"),
