@@ -32,7 +32,8 @@ from torchtune_ppo._patches import dynamo as dynamo_patches
 from torchtune_ppo._patches.torchtune_modules import LayerSteps, use_layer_steps
 from torchtune_ppo.ppo.loss_step import packed_ppo_loss_step
 from torchtune_ppo.rollout.fused import fused_rollout
-from torchtune_ppo.rollout.generation import GenerationSteps, extend, generate_next_token, prefill, prefill_group
+from torchtune_ppo.rollout.generation import (GenerationSteps, extend, generate_next_token, prefill, prefill_group,
+                                              prefill_prefix)
 from torchtune_ppo.rollout.scoring import packed_score_trajectory
 from torchtune_ppo.rollout.speculative import verify, verify_one
 from torchtune_ppo.run.optim import MasterStep, adam_master_step, grad_sq_sum
@@ -236,6 +237,7 @@ def generation_steps(*, compiled: bool, mode: str = "default",
         extend=maybe_compile(extend, enabled=compiled, mode=prefill_mode, around_layers=around_layers),
         verify=maybe_compile(verify, enabled=compiled, mode=prefill_mode, around_layers=around_layers),
         verify_one=maybe_compile(verify_one, enabled=compiled, mode=prefill_mode, around_layers=around_layers),
+        prefix=maybe_compile(prefill_prefix, enabled=compiled, mode=prefill_mode, around_layers=around_layers),
     )
 
 

@@ -26,16 +26,19 @@ from torch import nn
 from torchtune import config, utils
 
 from torchtune_ppo import distributed
+from torchtune_ppo.config.batches import MIN_SHARED_PREFIX
 from torchtune_ppo.eval.data import EvalPrompts
 from torchtune_ppo.eval.metrics import eval_metrics, part_names, prompt_shard, sum_over_processes, tally
 from torchtune_ppo.eval.record import EvalRecord
 from torchtune_ppo.rewards import FunctionReward, ModelReward, WeightedSum
 from torchtune_ppo.rlhf import ScoringSettings, get_reward_penalty_mask, repeat_prompts, truncated
+from torchtune_ppo.rlhf.packing import common_prefix_len
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rollout.generation import GenerationSteps, Generator
 from torchtune_ppo.rollout.turns import EpisodeStats, TurnRunner, episode_texts
 
-__all__ = ["ON_ERROR", "EvalScorer", "Evaluator", "build_evaluator", "eval_mode", "eval_seed", "reward_parts"]
+__all__ = ["ON_ERROR", "EvalScorer", "Evaluator", "build_evaluator", "eval_mode", "eval_prefix_len", "eval_seed",
+           "reward_parts"]
 
 # What an evaluation that raises does (``eval.on_error``): end the run, or be left out.
 ON_ERROR = ("stop", "skip")
@@ -275,10 +278,23 @@ def reward_parts(reward: Union[FunctionReward, ModelReward], tokenizer) -> Dict[
     return {name: FunctionReward(f, tokenizer) for name, f in zip(names, fn.rewards)}
 
 
+def eval_prefix_len(prompt_sets: Sequence[EvalPrompts], minimum: int = MIN_SHARED_PREFIX) -> int:
+    """The prefix the evaluation's generator computes once per call (``Generator(prefix_len=...)``):
+    the fewest leading tokens the prompts of one set all share, over the sets (each call holds one
+    set's prompts), kept below each set's shortest prompt; 0 where that is under ``minimum``."""
+    shared = []
+    for p in prompt_sets:
+        P, lens = p.prompt_len, p.prompt_lens.tolist()
+        rows = [row[P - n:] for row, n in zip(p.tokens.tolist(), lens)]
+        shared.append(min(common_prefix_len(rows), min(lens, default=0) - 1))
+    c = min(shared, default=0)
+    return c if c >= minimum else 0
+
+
 def build_evaluator(block: DictConfig, checked: Any, rollout: Rollout, steps: GenerationSteps, record: EvalRecord,
                     *, seed: int, warm_up: Callable[[], ContextManager] = contextlib.nullcontext,
-                    log_dict: Optional[Callable] = None,
-                    keep_step: Optional[Callable[[int], None]] = None) -> Evaluator:
+                    log_dict: Optional[Callable] = None, keep_step: Optional[Callable[[int], None]] = None,
+                    share_prefix: bool = True) -> Evaluator:
     """The run's :class:`Evaluator` from its ``eval`` block, on the rollout's policy and reward.
 
     Args:
@@ -290,6 +306,10 @@ def build_evaluator(block: DictConfig, checked: Any, rollout: Rollout, steps: Ge
         record (EvalRecord): the run's record (``Progress.evaluation``), restored on resume.
         seed (int): the run's seed.
         warm_up, log_dict, keep_step: see :class:`Evaluator`.
+        share_prefix (bool): the leading tokens the prompts of each set all share
+            (:func:`eval_prefix_len`) are computed once per generation call; False
+            (``share_prompt_prefix: false``): every row's prompt is prefilled whole. Not with
+            multi-turn episodes.
 
     Raises:
         ValueError: naming ``eval.max_generated_tokens`` when ``P + T`` exceeds a model's
@@ -327,6 +347,7 @@ def build_evaluator(block: DictConfig, checked: Any, rollout: Rollout, steps: Ge
         temperature=float(block.temperature), top_k=block.top_k, top_p=block.top_p, steps=steps,
         dtype=train_gen.dtype, device=train_gen.device,
         cache_tokens=None if turns is None else max(T, train_gen.cache_tokens * T // train_gen.max_generated_tokens),
+        prefix_len=eval_prefix_len(prompt_sets) if share_prefix and turns is None else 0,
     )
     if turns is not None:  # the training's environment and settings, on the evaluation's generator
         turns = TurnRunner(generator, turns.env, turns.renderer, turns.tokenizer, turns.settings)

@@ -21,6 +21,17 @@ With ``group_size = n > 1`` the rows come in groups of ``n`` copies of one promp
 sampling): the prompt of each group is prefilled once, in rows ``0, n, 2n, ...`` of the
 cache, whose first ``P`` columns are then copied into the group's other rows; the first token
 of each row is sampled from the group's shared last-position logits with the row's own noise.
+
+With ``prefix_len = c > 0``, a call whose prompts all begin with the same ``c`` tokens (a chat
+template's system turn) computes them once: :func:`prefill_prefix` runs them as one row into
+cache columns ``[0, c)``, which are copied into every row, and :func:`extend` runs each row's
+other prompt tokens, right-aligned in columns ``[c, P)``, and samples its first token::
+
+    [prefix | pad ... pad | rest of the prompt | response tokens]
+     0        c             P - n + c            P               S
+
+Attention reads the columns the mask opens and positions are each token's own, so the layout
+changes no result beyond rounding. A call whose prompts do not share the prefix is prefilled whole.
 """
 
 import contextlib
@@ -37,7 +48,7 @@ from torchtune_ppo.rollout.sampling import exponential_noise, sample
 from torchtune_ppo.rollout.speculative import SpeculativeStats, keyed_noise, verify, verify_one
 
 __all__ = ["GenerationInputs", "GenerationOutput", "GenerationSteps", "Generator", "extend",
-           "generate_next_token", "prefill", "prefill_group"]
+           "generate_next_token", "prefill", "prefill_group", "prefill_prefix"]
 
 
 class GenerationOutput(NamedTuple):
@@ -150,6 +161,22 @@ def prefill_group(
     return token, logprob, logits
 
 
+def prefill_prefix(
+    model: TransformerDecoder, tokens: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Writes the prefix ``tokens [1, c]`` every prompt of a call begins with into the KV cache
+    (the row :meth:`StaticKVCache.rows_every` shows), at columns ``[0, c)``; returns its last
+    hidden state ``[1, D]``. Nothing is projected to the vocabulary nor sampled.
+
+    Args:
+        model (TransformerDecoder): model with KV caches enabled, reset to column 0.
+        tokens (torch.Tensor): ``[1, c]`` the prefix.
+        input_pos (torch.Tensor): ``[1, c]`` its positions, ``0 .. c - 1``.
+        mask (torch.Tensor): ``[1, c, S]`` bool, causal over the first ``c`` columns.
+    """
+    return final_hidden_states(model, tokens, mask=mask, input_pos=input_pos)[:, -1]
+
+
 # The same body as prefill, kept a separate function on purpose: each gets its own compiled
 # graph and guards ([B, P] prompt vs [B, 1] token), so neither ever recompiles for the other.
 def generate_next_token(
@@ -237,6 +264,8 @@ class GenerationSteps(NamedTuple):
         verify (Callable): a draft checked in one forward (:func:`~torchtune_ppo.rollout.speculative.verify`).
         verify_one (Callable): the same for one token per row at each row's own column, once no
             row has a draft left.
+        prefix (Callable): the prefix every prompt of a call shares, computed once
+            (:func:`prefill_prefix`; ``Generator(prefix_len=...)``).
     """
 
     prefill: Callable
@@ -247,6 +276,7 @@ class GenerationSteps(NamedTuple):
     extend: Callable = extend
     verify: Callable = verify
     verify_one: Callable = verify_one
+    prefix: Callable = prefill_prefix
 
 
 EAGER_STEPS = GenerationSteps(prefill, prefill_group, generate_next_token)
@@ -287,6 +317,9 @@ class Generator:
             while at least this share of the rows still going has draft tokens to offer (and at
             least one does), else one position: where a wider forward costs more than a narrow
             one (a CPU), rows without a draft should not pay for it.
+        prefix_len (int): ``c``: a call whose prompts all begin with the same ``c`` tokens, and
+            hold at least one more, computes those once (see the module's docstring); 0: off.
+            Only with ``group_size`` 1 and below ``max_prompt_len``.
 
     Raises:
         ValueError: on an invalid argument, naming it and its value.
@@ -312,6 +345,7 @@ class Generator:
         cache_tokens: Optional[int] = None,
         draft_tokens: int = 0,
         min_draft_rows: float = 0.0,
+        prefix_len: int = 0,
     ) -> None:
         param = next(model.parameters())
         # cache columns after the prompt: T, or more for multi-turn episodes (rollout/turns.py)
@@ -328,6 +362,12 @@ class Generator:
         self.max_generated_tokens, self.pad_id = max_generated_tokens, pad_id
         self.stop_token_ids = [int(t) for t in stop_token_ids]
         self.stop_check_every, self.group_size = stop_check_every, group_size
+        if not isinstance(prefix_len, int) or not 0 <= prefix_len < max(1, max_prompt_len) or (
+                prefix_len and group_size > 1):
+            raise ValueError(f"Generator: prefix_len={prefix_len!r} is invalid; expected an int in [0, max_prompt_len="
+                             f"{max_prompt_len}), and 0 with group_size > 1 (got {group_size}).")
+        self.prefix_len = prefix_len
+        self.prefix_shared = False  # whether the last call computed its prompts' prefix once
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype or param.dtype  # the KV cache's
         self.vocab_size = model.tok_embeddings.num_embeddings
@@ -390,6 +430,16 @@ class Generator:
                                   torch.empty(B, width, self.noise_width, dtype=torch.float32, device=dev))
                       for width in {1, self.draft_tokens + 1}} if self.draft_tokens else {}
         self._cols = cols
+        # A prefix every prompt shares (prefix_len): [1, c] once, then each row's rest [B, P - c].
+        c = self.prefix_len
+        self._prefix_cols = torch.arange(c, device=dev)
+        self._pfx_tokens = torch.empty(1, c, dtype=torch.long, device=dev)
+        self._pfx_pos = self._prefix_cols[None].clone()
+        self._pfx_mask = (self._causal[:c] & (cols < c))[None].clone()  # [1, c, S]
+        self._rest_tokens = torch.empty(B, P - c, dtype=torch.long, device=dev)
+        self._rest_pos = torch.empty(B, P - c, dtype=torch.long, device=dev)
+        self._rest_mask = torch.empty(B, P - c, S, dtype=torch.bool, device=dev)
+        self._rest_last = torch.full((B,), P - c - 1, dtype=torch.long, device=dev)
 
     def prepare(self, prompts: torch.Tensor, prompt_lens: torch.Tensor,
                 rng: Optional[torch.Generator] = None) -> GenerationInputs:
@@ -406,7 +456,13 @@ class Generator:
         inp.prompt_lens[:b].copy_(prompt_lens)
         inp.prompt_lens[b:].zero_()
         not_padding = self._not_padding[:, :P]
-        torch.ge(self._prompt_cols, P - inp.prompt_lens[:, None], out=not_padding)  # [B, P]
+        c = self.prefix_len
+        self.prefix_shared = bool(c) and self._shares_prefix(b)
+        if self.prefix_shared:  # the prefix in columns [0, c), each row's rest right-aligned after
+            torch.ge(self._prompt_cols, P + c - inp.prompt_lens[:, None], out=not_padding)  # [B, P]
+            not_padding[:, :c] = True
+        else:
+            torch.ge(self._prompt_cols, P - inp.prompt_lens[:, None], out=not_padding)  # [B, P]
         # Positions count real tokens: (cumsum - 1) on real ones, 0 on padding (torchtune's rule).
         torch.cumsum(not_padding, dim=-1, out=inp.prefill_pos)
         inp.prefill_pos.sub_(1).mul_(not_padding)
@@ -421,7 +477,23 @@ class Generator:
             self._group_tokens.copy_(inp.tokens[::n])
             self._group_pos.copy_(inp.prefill_pos[::n])
             self._group_mask.copy_(inp.prefill_mask[::n])
+        if self.prefix_shared:  # columns [c, P) of each row, whose real tokens are the prompt's rest
+            self._rest_tokens.copy_(inp.tokens[:, c:])
+            self._rest_pos.copy_(inp.prefill_pos[:, c:])
+            self._rest_mask.copy_(inp.prefill_mask[:, c:])
         return inp
+
+    def _shares_prefix(self, b: int) -> bool:
+        """Whether the ``b`` prompts in the buffers all begin with the same ``prefix_len`` tokens
+        and hold at least one more (one host sync); if so, the prefix goes to its buffer."""
+        inp, P = self.inputs, self.max_prompt_len
+        lens = inp.prompt_lens[:b]
+        starts = (P - lens)[:, None] + self._prefix_cols  # [b, c] each prompt's first columns
+        prefixes = inp.tokens[:b].gather(1, starts.clamp(max=P - 1))
+        if not bool((lens > self.prefix_len).all() & (prefixes == prefixes[:1]).all()):
+            return False
+        self._pfx_tokens.copy_(prefixes[:1])
+        return True
 
     def draw_noise(self, rng: Optional[torch.Generator], steps: Optional[int] = None,
                    position: int = 0) -> Optional[torch.Tensor]:
@@ -620,6 +692,13 @@ class Generator:
         """The prefill of the prepared prompts (once per group with ``group_size`` > 1), filling
         the cache's first ``P`` columns: the ``[B]`` first tokens, their logprobs, ``[B, V]`` logits."""
         inp = self.inputs
+        if self.prefix_shared:  # the prefix once, into every row, then each row's rest as a chunk
+            with self.kv_cache.rows_every(self.batch_size):  # cache row 0
+                self._steps.prefix(self.model, self._pfx_tokens, self._pfx_pos, self._pfx_mask)
+            self.kv_cache.copy_to_group(self.batch_size, self.prefix_len)
+            with self.kv_cache.chunk_attention():
+                return self._steps.extend(self.model, self._rest_tokens, self._rest_pos, self._rest_mask,
+                                          self._rest_last, self.draw_noise(rng), **self.sampling)
         if self.group_size == 1:
             return self._prefill(
                 self.model, inp.tokens, inp.prefill_pos, inp.prefill_mask, self.draw_noise(rng), **self.sampling
