@@ -36,9 +36,12 @@ def test_prefix_run_matches_the_unshared_run(make_recipe, prompts_file):
     shared_recipe, cfg = make_recipe(**SHAPE, **{"dataset.data_files": prompts_file})
     assert cfg.share_prompt_prefix is None and shared_recipe._prefix  # on: the opening is long enough
     assert shared_recipe._rollout._share_prefix and shared_recipe._update._share_prefix
+    gen = shared_recipe._rollout.generator  # generation computes the opening once a call too
+    assert gen.prefix_len > len(OPENING.split()) // 2
     shared = _train(shared_recipe)
+    assert gen.prefix_shared  # the last call did
     unshared_recipe, _ = make_recipe(**SHAPE, share_prompt_prefix=False, **{"dataset.data_files": prompts_file})
-    assert not unshared_recipe._prefix
+    assert not unshared_recipe._prefix and unshared_recipe._rollout.generator.prefix_len == 0
     unshared = _train(unshared_recipe)
     assert len(shared) == len(unshared) == 3
     assert_compiled_matches_eager(shared, unshared, steps=3)
@@ -49,17 +52,19 @@ def test_prefix_run_matches_the_unshared_run(make_recipe, prompts_file):
 
 def test_the_shipped_tiny_prompts_share_too_little(make_recipe):
     recipe, _ = make_recipe()
-    assert not recipe._prefix and not recipe._rollout._share_prefix
+    assert not recipe._prefix and not recipe._rollout._share_prefix and recipe._rollout.generator.prefix_len == 0
 
 
 def test_compiled_prefix_run_matches_eager_without_recompiles(make_recipe, prompts_file, monkeypatch):
-    """Scoring and the loss step compiled (dynamo's eager backend: the same tracing and guards
-    as inductor), rows cut to their length: the eager run's numbers, no graph after step 1."""
+    """Generation (the opening once a call), scoring and the loss step compiled (dynamo's eager
+    backend: the same tracing and guards as inductor), rows cut to their length: the eager run's
+    numbers, no graph after step 1."""
     data = {"dataset.data_files": prompts_file}
     eager = _train(make_recipe(**SHAPE, **data)[0])
     monkeypatch.setenv("TORCHTUNE_PPO_COMPILE_BACKEND", "eager")
     recipe, _ = make_recipe(**SHAPE, **data, **{
-        "compile.generate": False, "compile.trajectory": True, "compile.loss_step": True, "compile.rollout": False})
+        "compile.generate": True, "compile.trajectory": True, "compile.loss_step": True, "compile.rollout": False})
     compiled = _train(recipe)
+    assert recipe._rollout.generator.prefix_shared
     assert [r["recompiles"] for r in compiled[1:]] == [0, 0]
     assert_compiled_matches_eager(compiled, eager, steps=3)

@@ -131,6 +131,14 @@ def dataset_prefix(dataset) -> Tuple[int, int]:
     return common_prefix_len(prompts), max(map(len, prompts), default=0)
 
 
+def generation_prefix(on: bool, dataset, prompt_len: int) -> int:
+    """The prefix a run's generator computes once per call (``Generator(prefix_len=...)``) when
+    ``on`` (:func:`prompt_sharing`'s prefix): the tokens the first :data:`PREFIX_SAMPLE` prompts
+    of ``dataset`` share (:func:`dataset_prefix`), below ``prompt_len``; else 0. A batch whose
+    prompts do not all begin with them is prefilled whole."""
+    return max(0, min(dataset_prefix(dataset)[0], prompt_len - 1)) if on else 0
+
+
 def prompt_sharing(cfg: DictConfig, world_size: int = 1, dataset=None) -> Tuple[int, bool]:
     """What a run computes once: ``(group, prefix)``, the group size whose prompt is packed once
     (``share_group_prefill``: :func:`share_group_prompt`; 1 when off) and whether the prefix every

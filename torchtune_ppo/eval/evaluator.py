@@ -294,7 +294,7 @@ def eval_prefix_len(prompt_sets: Sequence[EvalPrompts], minimum: int = MIN_SHARE
 def build_evaluator(block: DictConfig, checked: Any, rollout: Rollout, steps: GenerationSteps, record: EvalRecord,
                     *, seed: int, warm_up: Callable[[], ContextManager] = contextlib.nullcontext,
                     log_dict: Optional[Callable] = None, keep_step: Optional[Callable[[int], None]] = None,
-                    share_prefix: bool = True) -> Evaluator:
+                    share_prefix: Optional[bool] = None) -> Evaluator:
     """The run's :class:`Evaluator` from its ``eval`` block, on the rollout's policy and reward.
 
     Args:
@@ -306,10 +306,10 @@ def build_evaluator(block: DictConfig, checked: Any, rollout: Rollout, steps: Ge
         record (EvalRecord): the run's record (``Progress.evaluation``), restored on resume.
         seed (int): the run's seed.
         warm_up, log_dict, keep_step: see :class:`Evaluator`.
-        share_prefix (bool): the leading tokens the prompts of each set all share
-            (:func:`eval_prefix_len`) are computed once per generation call; False
-            (``share_prompt_prefix: false``): every row's prompt is prefilled whole. Not with
-            multi-turn episodes.
+        share_prefix (Optional[bool]): the config's ``share_prompt_prefix``. None or True: the
+            leading tokens the prompts of each set all share (:func:`eval_prefix_len`, at least
+            8) are computed once per generation call; False: every row's prompt is prefilled
+            whole. Not with multi-turn episodes.
 
     Raises:
         ValueError: naming ``eval.max_generated_tokens`` when ``P + T`` exceeds a model's
@@ -347,7 +347,7 @@ def build_evaluator(block: DictConfig, checked: Any, rollout: Rollout, steps: Ge
         temperature=float(block.temperature), top_k=block.top_k, top_p=block.top_p, steps=steps,
         dtype=train_gen.dtype, device=train_gen.device,
         cache_tokens=None if turns is None else max(T, train_gen.cache_tokens * T // train_gen.max_generated_tokens),
-        prefix_len=eval_prefix_len(prompt_sets) if share_prefix and turns is None else 0,
+        prefix_len=eval_prefix_len(prompt_sets) if share_prefix is not False and turns is None else 0,
     )
     if turns is not None:  # the training's environment and settings, on the evaluation's generator
         turns = TurnRunner(generator, turns.env, turns.renderer, turns.tokenizer, turns.settings)
