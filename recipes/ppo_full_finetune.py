@@ -27,7 +27,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from torchtune_ppo import checkpointing, compile as compiling, distributed
-from torchtune_ppo.config import CompileConfig, check_cli_overrides, cpu_threads, prompt_sharing, validate_config
+from torchtune_ppo.config import CompileConfig, batches, check_cli_overrides, cpu_threads, validate_config
 from torchtune_ppo.data import prompt_loader
 from torchtune_ppo.eval import build_evaluator
 from torchtune_ppo.models.build import build_models
@@ -101,7 +101,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             value_pretrain=ValuePretraining.from_config(cfg.value_pretrain), data_identity=checked.data_identity,
             save_every_n_steps=cfg.save_every_n_steps, save_every_n_epochs=cfg.save_every_n_epochs, evaluation=cfg.eval)
         regions = compiling.regions(CompileConfig(**cfg.compile), world_size=self._world_size, device=self._device)
-        self._group, self._prefix = prompt_sharing(cfg, self._world_size, self._dataloader.dataset)  # computed once
+        self._group, self._prefix = batches.prompt_sharing(cfg, self._world_size, self._dataloader.dataset)
         self._models = build_models(cfg, device=self._device, dtype=self._dtype, resume_from=checked.resume_from)
         compiling.use_layers(self._models, regions.layers)  # compile.layers: one layer compiled per use
         self._rollout = self._setup_rollout(cfg, regions)
@@ -123,8 +123,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             # After the restored state, which holds the saved optimizer settings: the config's win.
             checkpointing.apply_optimizer_overrides(self._update.optimizer, cfg.optimizer, self._update.lr_scheduler)
         self._evaluator = build_evaluator(cfg.eval, checked, self._rollout, regions.generation, self._progress.evaluation,
-                                          seed=self.seed, warm_up=self._recompiles.excluded,
-                                          log_dict=self._metric_logger.log_dict, keep_step=manager.keep_step)
+                                          seed=self.seed, warm_up=self._recompiles.excluded, keep_step=manager.keep_step,
+                                          log_dict=self._metric_logger.log_dict, share_prefix=cfg.share_prompt_prefix)
 
     def _setup_rollout(self, cfg: DictConfig, regions: compiling.Regions) -> Rollout:
         generator = Generator(
@@ -133,7 +133,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             pad_id=self._tokenizer.pad_id, stop_token_ids=list(cfg.stop_token_ids),
             temperature=float(cfg.temperature), top_k=cfg.top_k, top_p=cfg.top_p,
             steps=regions.generation,  # compiled or eager, as compile.generate says
-            group_size=self._group,  # n: a group's prompt computed once in generation and scoring
+            group_size=self._group, prefix_len=batches.generation_prefix(self._prefix, self._dataloader.dataset,
+                                                                         self._prompt_len),  # computed once a call
             dtype=self._dtype, device=self._device, cache_tokens=cache_tokens(cfg),  # more with turns
             **speculative_args(cfg))  # speculative rollouts: a draft checked in one forward
         reward = (ModelReward(self._models.reward) if self._models.reward is not None
@@ -174,10 +175,8 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             fixed_shapes=regions.loss_step_fixed_shapes, master_weights=self._master, share_prefix=self._prefix,
             segment_attention=cfg.segment_attention)
 
-    def train_step(
-        self, prompts: torch.Tensor, prompt_lens: torch.Tensor, num_truncated: int,
-        references: Optional[List[Optional[str]]] = None,
-    ) -> Dict[str, float]:
+    def train_step(self, prompts: torch.Tensor, prompt_lens: torch.Tensor, num_truncated: int,
+                   references: Optional[List[Optional[str]]] = None) -> Dict[str, float]:
         """One PPO step on ``prompts [B, P]`` of real lengths ``prompt_lens [B]``; returns its metrics.
 
         ``num_truncated``, the prompts the collator cut to ``max_prompt_len``, is only logged;
@@ -283,11 +282,11 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
         self._sampler.set_epoch(progress_.epochs_run)
         if progress_.global_step == 0:  # a checkpoint of step 0 was captured before any data iterator
             self._checkpoints.restore_pending_rng()
-        batches = iter(self._dataloader)
+        remaining = iter(self._dataloader)
         for _ in range(progress_.batches_run_in_epoch):  # resuming: the batches already trained on
-            next(batches)
+            next(remaining)
         self._checkpoints.restore_pending_rng()
-        for batch in batches:
+        for batch in remaining:
             pretraining = progress_.pretraining
             metrics = self.train_step(batch["tokens"].to(self._device), batch["prompt_lens"].to(self._device),
                                       int(batch["num_truncated"]), batch.get("references"))
