@@ -686,7 +686,8 @@ SCHEMA: Tuple[Key, ...] = (
     Key("share_prompt_prefix", Bool(optional=True), None,
         "without shared groups, pack the tokens every prompt of a batch begins with (a chat "
         "template's system turn) once per packed row in scoring and in the loss step, each "
-        "sequence's other prompt tokens and its response after it, in rows 4 times as long. null: "
+        "sequence's other prompt tokens and its response after it, in rows 4 times as long; and "
+        "compute it once per generation call (the evaluation's too, unless false). null: "
         "on when the first 256 prompts of the dataset share at least max(8, max_prompt_len / 4) "
         "tokens, with a note either way; true: on (an error with shared groups, `compile.rollout` "
         "or `env`); false: off. See [Performance](performance.md#a-prefix-every-prompt-shares-share_prompt_prefix)"),
