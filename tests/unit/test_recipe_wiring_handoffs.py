@@ -27,10 +27,10 @@ from test_recipe_wiring_options import _fake_steps
 
 # ---- the builds ----------------------------------------------------------------------------
 
-_LOGGER = "torchtune.training.metric_logging.DiskLogger"
-
 # Each build: a shipped tiny config and its overrides (dotted keys). Every value below is other
-# than the schema's default and the shipped config's own value (checked by the first test).
+# than the schema's default and the shipped config's own value
+# (test_every_builds_value_is_other_than_the_default_and_the_shipped_configs); PROFILES, CACHE
+# and LOGS stand for paths in the build's own folder.
 BUILDS = {
     "sentiment": ("ppo_tiny_sentiment.yaml", {
         "batch_size": 4, "max_prompt_len": 14, "long_prompts": "error", "lmbda_length_alpha": 0.05,
@@ -54,6 +54,10 @@ BUILDS = {
         "eval.batch_size": 6, "eval.reward._component_": "torchtune_ppo.rewards.ExactMatch",
         "eval.reward.tolerance": 0.25, "eval.correct_threshold": 0.5, "eval.best_metric": "val/pass@2",
         "eval.best_mode": "min", "eval.early_stop_patience": 2, "eval.on_error": "skip",
+        # the training split instead of the default held-out one
+        "eval.dataset._component_": "torchtune_ppo.data.prompt_dataset", "eval.dataset.source": "json",
+        "eval.dataset.data_files": "${ppo_asset:tiny_arithmetic/problems.json}", "eval.dataset.field": "train",
+        "eval.dataset.column": "prompt", "eval.dataset.reference_column": "answer", "eval.dataset.split": "train",
     }),
     "eval_sets": ("ppo_tiny_arithmetic.yaml", {
         "eval.datasets.heldout": None, "eval.datasets.again": None, "eval.best_metric": "val/again/pass@1",
@@ -94,9 +98,11 @@ def built(tmp_path_factory):
     asked torch for, the warnings of its setup)."""
     from ppo_full_finetune import PPOFullFinetuneRecipe
 
-    cache = {}
+    cache, failed = {}, {}
 
     def build(name):
+        if name in failed:  # a build that failed fails every row of it at once
+            raise failed[name]
         if name not in cache:
             config, overrides = BUILDS[name]
             out = tmp_path_factory.mktemp(name)
@@ -110,10 +116,18 @@ def built(tmp_path_factory):
                 mp.setenv("OMP_NUM_THREADS", "1")
                 mp.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
                 mp.setattr(torch, "set_num_threads", threads.append)
-                recipe = PPOFullFinetuneRecipe(cfg)
+                try:
+                    recipe = PPOFullFinetuneRecipe(cfg)
+                except Exception as e:
+                    failed[name] = e
+                    raise
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                recipe.setup(cfg)
+                try:
+                    recipe.setup(cfg)
+                except Exception as e:
+                    failed[name] = e
+                    raise
             cache[name] = (recipe, cfg, {"threads": threads[-1], "warnings": [str(w.message) for w in caught]})
         return cache[name]
 
@@ -123,10 +137,6 @@ def built(tmp_path_factory):
 
 
 # ---- what each part holds ------------------------------------------------------------------
-
-
-def _evaluator(r):
-    return r._evaluator
 
 
 def _has_checkpoint_wrappers(model):
@@ -140,7 +150,7 @@ def _takes_layouts(model):
 
 
 def _is_compiled(fn, eager):
-    return fn is not eager
+    return fn is not None and fn is not eager
 
 
 def _layer_steps(model):
@@ -241,6 +251,7 @@ HANDOFFS = [
     ("eval.reward", "arithmetic", 0.25, lambda r, s: r._evaluator.scorer.reward.fn.tolerance),
     ("eval.correct_threshold", "arithmetic", CFG, lambda r, s: r._evaluator.correct_threshold),
     ("eval.on_error", "arithmetic", CFG, lambda r, s: r._evaluator.on_error),
+    ("eval.dataset", "arithmetic", True, lambda r, s: r._evaluator.prompts[0].source.endswith(" (train)")),
     ("eval.datasets", "eval_sets", ["heldout", "again"], lambda r, s: [p.name for p in r._evaluator.prompts]),
     # precision and the compiled regions
     ("master_rounding", "bf16_compiled", CFG, lambda r, s: r._master.rounding),
@@ -315,7 +326,7 @@ def test_every_builds_value_is_other_than_the_default_and_the_shipped_configs():
         for key, value in overrides.items():
             top, _, sub = key.partition(".")
             if top in ("compile", "profiler", "metric_logger", "reward", "optimizer") or key.startswith(
-                    ("eval.reward", "eval.datasets")):
+                    ("eval.reward", "eval.dataset")):
                 continue  # blocks: their default is off (null, false) or the shipped config's block
             default = KEYS[top].default
             if sub and isinstance(KEYS[top].kind, Block):
