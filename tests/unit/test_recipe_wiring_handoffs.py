@@ -29,8 +29,8 @@ from test_recipe_wiring_options import _fake_steps
 
 # Each build: a shipped tiny config and its overrides (dotted keys). Every value below is other
 # than the schema's default and the shipped config's own value
-# (test_every_builds_value_is_other_than_the_default_and_the_shipped_configs); PROFILES, CACHE
-# and LOGS stand for paths in the build's own folder.
+# (test_every_builds_value_is_other_than_the_default_and_the_shipped_configs); the names in
+# PATHS stand for paths in the build's own folder.
 BUILDS = {
     "sentiment": ("ppo_tiny_sentiment.yaml", {
         "batch_size": 4, "max_prompt_len": 14, "long_prompts": "error", "lmbda_length_alpha": 0.05,
@@ -62,6 +62,14 @@ BUILDS = {
     "eval_sets": ("ppo_tiny_arithmetic.yaml", {
         "eval.datasets.heldout": None, "eval.datasets.again": None, "eval.best_metric": "val/again/pass@1",
     }),
+    # evaluation prompts that share their first 11 tokens (BOS and "0+0+0+0+0+"), which the
+    # evaluation's generator would compute once a call
+    "eval_prefix": ("ppo_tiny_arithmetic.yaml", {
+        "share_prompt_prefix": False, "max_prompt_len": 20, "eval.max_prompts": 8,
+        "eval.dataset._component_": "torchtune_ppo.data.prompt_dataset", "eval.dataset.source": "json",
+        "eval.dataset.data_files": "EVALDATA", "eval.dataset.column": "prompt",
+        "eval.dataset.reference_column": "answer", "eval.dataset.split": "train",
+    }),
     "bf16_compiled": ("ppo_tiny_sentiment.yaml", {
         "dtype": "bf16", "master_rounding": "nearest", "compile.generate": True, "compile.trajectory": True,
         "compile.loss_step": True, "compile.rollout": False, "compile.optimizer": True,
@@ -87,6 +95,16 @@ BUILDS = {
 }
 
 
+PATHS = ("PROFILES", "CACHE", "LOGS", "EVALDATA")  # stand for paths in the build's own folder
+
+
+def _prefixed_prompts(path, prefix):
+    """The arithmetic task's first held-out problems, each prompt after ``prefix``, as a JSON list."""
+    with open(torchtune_ppo.asset_path("tiny_arithmetic/problems.json")) as f:
+        rows = json.load(f)["heldout"][:8]
+    path.write_text(json.dumps([dict(row, prompt=prefix + row["prompt"]) for row in rows]))
+
+
 def _dotlist_value(value):
     return "null" if value is None else value
 
@@ -106,8 +124,9 @@ def built(tmp_path_factory):
         if name not in cache:
             config, overrides = BUILDS[name]
             out = tmp_path_factory.mktemp(name)
-            overrides = {k: (str(out / v) if v in ("PROFILES", "CACHE", "LOGS") else _dotlist_value(v))
-                         for k, v in overrides.items()}
+            overrides = {k: (str(out / v) if v in PATHS else _dotlist_value(v)) for k, v in overrides.items()}
+            if "eval.dataset.data_files" in overrides and name == "eval_prefix":
+                _prefixed_prompts(out / "EVALDATA", "0+0+0+0+0+")
             cfg = recipe_config(out / "run", config, **overrides)
             threads = []
             with pytest.MonkeyPatch.context() as mp:
@@ -137,6 +156,20 @@ def built(tmp_path_factory):
 
 
 # ---- what each part holds ------------------------------------------------------------------
+
+
+def _dataset_prefix(r):
+    """The tokens the training prompts share, which the generator computes once a call when on."""
+    from torchtune_ppo.config.batches import generation_prefix
+
+    return generation_prefix(True, r._dataloader.dataset, r._prompt_len)
+
+
+def _eval_prefix(r):
+    """The tokens the evaluation prompts share, which its generator computes once a call unless off."""
+    from torchtune_ppo.eval.evaluator import eval_prefix_len
+
+    return eval_prefix_len(r._evaluator.prompts)
 
 
 def _has_checkpoint_wrappers(model):
@@ -210,6 +243,8 @@ HANDOFFS = [
     ("segment_attention", "sentiment", True, lambda r, s: _takes_layouts(r._models.policy)),
     ("share_prompt_prefix", "sentiment", True, lambda r, s: r._rollout._share_prefix),
     ("share_prompt_prefix", "sentiment", True, lambda r, s: r._update._share_prefix),
+    ("share_prompt_prefix", "sentiment", True, lambda r, s: r._rollout.generator.prefix_len == _dataset_prefix(r) > 0),
+    ("share_prompt_prefix", "eval_prefix", (True, 0), lambda r, s: (_eval_prefix(r) > 0, r._evaluator.generator.prefix_len)),
     ("share_group_prefill", "grpo", 4, lambda r, s: r._rollout.generator.group_size),
     ("share_group_prefill", "grpo", 4, lambda r, s: r._rollout._group_size),
     ("share_group_prefill", "grpo", 4, lambda r, s: r._update.group_size),
@@ -332,7 +367,7 @@ def test_every_builds_value_is_other_than_the_default_and_the_shipped_configs():
             if sub and isinstance(KEYS[top].kind, Block):
                 default = KEYS[top].kind.defaults()[sub]
             value = _value(name, key)
-            if value in ("PROFILES", "CACHE", "LOGS") or (name, key) == ("tools", "eval.every_n_steps"):
+            if value in PATHS or (name, key) == ("tools", "eval.every_n_steps"):
                 continue
             if value == default or value == OmegaConf.select(shipped, key):
                 same.append((name, key, value))
