@@ -457,6 +457,9 @@ def test_the_smollm2_config_runs_two_steps_through_tune_run(eager_run):
 # use instead: test_the_smollm2_config_with_compiled_layers_equals_eager below).
 UNROLLED = ["compile.generate=True", "compile.trajectory=True", "compile.loss_step=True", "compile.rollout=False",
             "compile.layers=False"]
+# the regions a run of the SmolLM2 config traces: generation with its chat prompts' shared prefix
+GENERATE_REGIONS_WITH_PREFIX = ["extend", "generate_next_token", "packed_ppo_loss_step", "packed_score_trajectory",
+                                "prefill_prefix"]
 
 
 def test_the_smollm2_config_compiled_does_not_recompile(folder, eager_run, tmp_path):
@@ -475,10 +478,11 @@ def test_the_smollm2_config_compiled_does_not_recompile(folder, eager_run, tmp_p
                              env={"TORCHTUNE_PPO_COMPILE_BACKEND": "eager", "TORCH_LOGS": "dynamo"})
     _, eager = eager_run
     assert len(rows) == 2 and rows[1]["recompiles"] == 0, rows
-    # dynamo's log: each region traced, and traced once in the whole run (a recompile retraces)
+    # dynamo's log: each region traced, and traced once in the whole run (a recompile retraces);
+    # the chat prompts' shared prefix (share_prompt_prefix) is prefilled once a call
+    # (prefill_prefix) and each prompt's rest as a chunk (extend), instead of the whole prompt
     traced = re.findall(r"torchdynamo done tracing (\w+)", stderr)
-    regions = ["generate_next_token", "packed_ppo_loss_step", "packed_score_trajectory", "prefill"]
-    assert sorted(traced) == regions, traced
+    assert sorted(traced) == GENERATE_REGIONS_WITH_PREFIX, traced
     speed = ("time/", "tokens_per_second", "generated_tokens_per_second", "peak_memory")
     for step in range(2):
         keys = [k for k in eager[step] if not k.startswith(speed)]
@@ -499,19 +503,19 @@ def test_the_smollm2_config_runs_in_bf16_compiled_without_recompiles(folder, tmp
                              env={"TORCHTUNE_PPO_COMPILE_BACKEND": "eager", "TORCH_LOGS": "dynamo"})
     assert len(rows) == 2 and rows[1]["recompiles"] == 0, rows
     traced = Counter(re.findall(r"torchdynamo done tracing (\w+)", stderr))
-    assert sorted(traced) == ["adam_master_step", "generate_next_token", "grad_sq_sum", "packed_ppo_loss_step",
-                              "packed_score_trajectory", "prefill"], traced
+    assert sorted(traced) == sorted(["adam_master_step", "grad_sq_sum", *GENERATE_REGIONS_WITH_PREFIX]), traced
     # each region once in the whole run (a recompile retraces); the master step's per-tensor
     # functions once per kind of tensor they meet, all in step 1 (recompiles above: 0)
-    assert all(traced[region] == 1 for region in ("generate_next_token", "packed_ppo_loss_step",
-                                                  "packed_score_trajectory", "prefill")), traced
+    assert all(traced[region] == 1 for region in GENERATE_REGIONS_WITH_PREFIX), traced
     assert all(math.isfinite(r["loss"]) for r in rows) and abs(rows[0]["kl"]) < 0.5, rows
     assert "rollout_corr/abs_diff_mean" in rows[0] and 0 < rows[0]["rollout_corr/abs_diff_mean"] < 0.2, rows[0]
 
 
 # traces per layer use: inference reads the reference's frozen weights and the value model's
-# trainable ones, two kinds of input (requires_grad is guarded); training sees trainable ones only
-LAYER_TRACES = {"_layer_decode": 1, "_layer_prefill": 1, "_layer_infer": 2, "_layer_train": 1}
+# trainable ones, two kinds of input (requires_grad is guarded); training sees trainable ones only;
+# the prefill's layer meets the shared prefix's one row and then the prompts' rests, whose other
+# shape it is traced again for, with dynamic sizes (in step 1: nothing after it recompiles)
+LAYER_TRACES = {"_layer_decode": 1, "_layer_prefill": 2, "_layer_infer": 2, "_layer_train": 1}
 
 
 def test_the_smollm2_config_with_compiled_layers_equals_eager(folder, eager_run, tmp_path):
@@ -530,7 +534,7 @@ def test_the_smollm2_config_with_compiled_layers_equals_eager(folder, eager_run,
     uses = {name: traced[name] for name in ("_layer_decode", "_layer_prefill", "_layer_infer", "_layer_train")}
     assert uses == LAYER_TRACES, traced
     # each region's graph after its trunk, traced once (before its trunk the graphs are empty)
-    for region in ("generate_next_token", "packed_ppo_loss_step", "packed_score_trajectory", "prefill"):
+    for region in GENERATE_REGIONS_WITH_PREFIX:
         resumed = [n for n in traced if n.startswith(f"torch_dynamo_resume_in_{region}_at_")]
         assert resumed and all(traced[n] == 1 for n in resumed), traced
     speed = ("time/", "tokens_per_second", "generated_tokens_per_second", "peak_memory")

@@ -502,3 +502,13 @@ def test_the_logs_keep_evaluations_apart_and_the_summary_names_the_best(tmp_path
     best = tmp_path / "checkpoints/step_2"
     text = run_summary([{"scores": 0.5}, {"scores": 0.75}], [best], record)
     assert f"best 0.5 at step 2 (checkpoint {best})" in text and "val/pass@1 0.25 at step 0" in text
+
+
+def test_an_evaluation_of_few_prompts_takes_no_more_rows_than_they_give(make_recipe):
+    """eval.batch_size above what a set gives (prompts x samples) is cut to that: 3 prompts x 2
+    samples in a generator of 6 rows, not 50 of which 44 would be filler; below it, it stays."""
+    few = {"eval.every_n_steps": 1, "eval.max_prompts": 3, "eval.num_samples": 2, "eval.temperature": 1.0}
+    recipe, _ = make_recipe("ppo_tiny_arithmetic.yaml", **few, **{"eval.batch_size": 50})
+    assert recipe._evaluator.generator.batch_size == 6
+    recipe, _ = make_recipe("ppo_tiny_arithmetic.yaml", **few, **{"eval.batch_size": 4})
+    assert recipe._evaluator.generator.batch_size == 4

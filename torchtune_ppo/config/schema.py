@@ -434,7 +434,7 @@ EVAL = Block(
         Key("max_generated_tokens", Count(optional=True), None, "response tokens per prompt; null: training's"),
         Key("batch_size", Count(optional=True), None,
             "rows (responses) per generation call on each process; null: the training generator's "
-            "(`forward_batch_size` / processes)"),
+            "(`forward_batch_size` / processes); at most the responses of a process's largest set"),
         Key("reward", Component(optional=True, note="a reward function, as `reward`"), None,
             "the evaluation's score; null: the training reward (its function or its reward model). The "
             "penalties (`penalise_no_eos`, `min_response_length`) apply as in training; the KL penalty does not"),

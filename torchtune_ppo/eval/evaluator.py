@@ -341,8 +341,11 @@ def build_evaluator(block: DictConfig, checked: Any, rollout: Rollout, steps: Ge
                 f"the model's max_seq_len ({limit}); lower eval.max_generated_tokens, or set max_prompt_len (with "
                 "long_prompts=truncate each prompt keeps its last tokens).")
     turns = rollout.turns
+    # rows a call: eval.batch_size (null: the training's), at most what one process's largest set
+    # holds, so that a few prompts are not padded up to a large batch of filler rows
+    most = max(-(-len(p.prompt_lens) // distributed.world_size()) for p in prompt_sets) * block.num_samples
     generator = Generator(
-        train_gen.model, batch_size=block.batch_size or train_gen.batch_size, max_prompt_len=width,
+        train_gen.model, batch_size=max(1, min(block.batch_size or train_gen.batch_size, most)), max_prompt_len=width,
         max_generated_tokens=T, pad_id=train_gen.pad_id, stop_token_ids=train_gen.stop_token_ids,
         temperature=float(block.temperature), top_k=block.top_k, top_p=block.top_p, steps=steps,
         dtype=train_gen.dtype, device=train_gen.device,
