@@ -8,17 +8,9 @@ import torch
 from torchtune_ppo.compile import generation_steps
 from torchtune_ppo.rollout.generation import Generator
 
-from test_generation import PAD, SAMPLING, T, VOCAB, full_forward_logprobs, lens, tiny_model
+from test_generation import PAD, SAMPLING, T, VOCAB, full_forward_logprobs, lens, one_thread, tiny_model  # noqa: F401
 
 P, C, B = 10, 4, 4  # prompt width, shared prefix, rows
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
