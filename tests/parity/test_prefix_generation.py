@@ -140,3 +140,19 @@ def test_eval_prefix_len_is_the_fewest_tokens_each_set_shares():
     assert eval_prefix_len([a, b], minimum=5) == 0  # too short to be worth a region of its own
     short = prompt_set([[1, 2, 3], [1, 2, 3, 4]])  # a prompt that is all prefix keeps one token to prefill
     assert eval_prefix_len([short], minimum=1) == 2
+
+
+def test_speculative_calls_share_the_prefix_too(model):
+    """Drafts checked in one forward after a shared-prefix prefill: the same tokens as the plain
+    prefill's call with the same noise keys and drafts (right, wrong and none)."""
+    plain, shared = generators(model, SAMPLING, draft_tokens=3)
+    prompts = with_prefix([P, 6, 8, 5], PREFIX, seed=7)
+    keys = [11, 22, 33, 44]
+    first = plain.generate(prompts, lens(prompts), noise_keys=keys)  # the drafts: what plain decoding gives
+    drafts = [first.query_responses[0, P:].tolist(), [1, 2, 3, 4, 5], None, first.query_responses[3, P:P + 4].tolist()]
+    a = plain.generate(prompts, lens(prompts), noise_keys=keys, drafts=drafts)
+    b = shared.generate(prompts, lens(prompts), noise_keys=keys, drafts=drafts)
+    assert shared.prefix_shared and shared.spec_stats.accepted > 0
+    torch.testing.assert_close(b.query_responses, a.query_responses, rtol=0, atol=0)
+    torch.testing.assert_close(b.query_responses, first.query_responses, rtol=0, atol=0)
+    torch.testing.assert_close(b.logprobs, a.logprobs, rtol=2e-6, atol=2e-6)
