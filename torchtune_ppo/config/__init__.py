@@ -6,8 +6,7 @@ it and calls the rules between keys, which live by subject: ``batches``, ``weigh
 point at the data.
 """
 
-from torchtune_ppo.config.batches import (check_whole_groups, check_world_size, generation_prefix, prompt_sharing,
-                                         share_group_prompt)
+from torchtune_ppo.config.batches import check_whole_groups, check_world_size, prompt_sharing, share_group_prompt
 from torchtune_ppo.config.checks import VALID_KEYS, check_cli_overrides, validate_config, with_defaults
 from torchtune_ppo.config.data_files import instantiate_dataset, validate_dataset
 from torchtune_ppo.config.generation import check_sampling, validate_with_tokenizer
@@ -63,7 +62,6 @@ __all__ = [
     "instantiate_dataset",
     "markdown_table",
     "parse_compile",
-    "generation_prefix",
     "prompt_sharing",
     "share_group_prompt",
     "shares_reward_value_base",
