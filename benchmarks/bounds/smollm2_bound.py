@@ -1,16 +1,18 @@
 """How far each phase of a SmolLM2-135M PPO step is from this CPU's bound, for benchmarks/RESULTS.md.
 
-The shapes are those of ``python benchmarks/ppo/bench_ppo.py --smollm2``: batch 16, prompts
-left-padded to P = 32 (their real lengths read from the config's dataset), T = 12 generated
-tokens, ppo_batch_size 8, 2 PPO epochs, fp32 or bf16 (``--dtype``); the model is SmolLM2-135M (30 layers, dim 576,
+The shapes are those of ``python benchmarks/ppo/bench_ppo.py --smollm2 [--workload long]``: batch
+16, prompts left-padded to P, the dataset's longest (their real lengths read from the config's
+dataset, with the long workload's overrides for ``--workload long``), T = 12 generated tokens
+(128 for ``long``), ppo_batch_size 8, 2 PPO epochs, fp32 or bf16 (``--dtype``); the model is SmolLM2-135M (30 layers, dim 576,
 9 heads / 3 KV heads of 64, MLP 1536, vocabulary 49152, tied embeddings). Per phase, as the
 recipe runs it (``--response-len`` tokens per response):
 
-- generate: the prefill (``[16, 32]`` prompts; torchtune's decoder projects every prompt
-  position to the vocabulary) and T - 1 decode steps of 16 rows, each of which reads every
-  weight once (135M parameters x 4 bytes, 2 in bf16);
+- generate: the prefill (``[16, P]`` prompts; torchtune's decoder projects every prompt
+  position to the vocabulary) and L - 1 decode steps of 16 rows, L the batch's longest
+  response (``--longest-response``: the benchmark's mean of it; a call decodes until its last
+  row ends), each of which reads every weight once (135M parameters x 4 bytes, 2 in bf16);
 - score: the reference, value and reward trunks on the packed real tokens (prompt + response),
-  the reference's vocabulary projection at the 16 x T response reads;
+  the reference's vocabulary projection at the 16 x (mean response) reads;
 - loss step: 2 epochs x 2 micro-steps of 8 packed sequences (prompt + response - 1 tokens),
   policy and value, forward + backward (the backward's two GEMMs per forward GEMM: 3x), the
   policy's vocabulary projection at the response reads;
@@ -26,10 +28,12 @@ Measured phase times are the benchmark's medians, passed in (defaults: ours, eve
 compiled, run 1 of 2026-12-02 in RESULTS.md).
 
     OMP_NUM_THREADS=2 python benchmarks/bounds/smollm2_bound.py [--dtype bf16]   # or gemm_bound.py --smollm2
+    OMP_NUM_THREADS=2 python benchmarks/bounds/smollm2_bound.py --workload long --response-len R --longest-response L ...
 """
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
@@ -42,8 +46,13 @@ KV = KV_HEADS * HEAD_DIM
 LAYER_SHAPES = [(DIM, DIM), (KV, DIM), (KV, DIM), (DIM, DIM), (MLP, DIM), (MLP, DIM), (DIM, MLP)]
 TRUNK_PARAMS = LAYERS * sum(o * i for o, i in LAYER_SHAPES)
 PARAMS = TRUNK_PARAMS + VOCAB * DIM + (2 * LAYERS + 1) * DIM  # + tied embedding, RMSNorm scales
-B, P, T, PPO_BATCH, EPOCHS = 16, 32, 12, 8, 2
+B, PPO_BATCH, EPOCHS = 16, 8, 2
 ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks/ppo")]
+from bench_ppo import LONG_DATASET, LONG_TOKENS  # noqa: E402  (the long workload's dataset overrides)
+
+# generated tokens (T) of each workload: the SmolLM2 config's, and bench_ppo's --workload long
+WORKLOAD_T = {"arithmetic": 12, "long": LONG_TOKENS}
 
 # ours, everything compiled: run 1 (learning, responses 12.0 tokens), medians in seconds
 RUN1 = dict(generate=1.349, score=1.718, loss_step=8.082, optimizer=1.393)
@@ -62,21 +71,25 @@ def _seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
     return min(times)
 
 
-def prompt_tokens() -> Tuple[float, str]:
-    """Mean real prompt length of the config's training prompts, and where it came from."""
+def prompt_tokens(workload: str = "arithmetic") -> Tuple[float, int, str]:
+    """Mean and longest real prompt length of the workload's training prompts (the longest is
+    P: the config's ``max_prompt_len: null``), and where they came from."""
+    from omegaconf import OmegaConf
+    from torchtune import config as tt_config
+
+    import torchtune_ppo  # noqa: F401  (registers the ppo_asset resolver)
+
+    cfg = OmegaConf.load(ROOT / "recipes/configs/smollm2/135M_ppo_arithmetic.yaml")
+    if workload == "long":
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(LONG_DATASET))
     try:
-        from omegaconf import OmegaConf
-        from torchtune import config as tt_config
-
-        import torchtune_ppo  # noqa: F401  (registers the ppo_asset resolver)
-
-        cfg = OmegaConf.load(ROOT / "recipes/configs/smollm2/135M_ppo_arithmetic.yaml")
         tokenizer = tt_config.instantiate(cfg.tokenizer)
         data = tt_config.instantiate(cfg.dataset, tokenizer)
-        lengths = [len(data[i]["tokens"]) for i in range(len(data))]
-        return sum(lengths) / len(lengths), f"the config's {len(lengths)} training prompts (max {max(lengths)})"
-    except Exception as e:  # no prepared model folder: the padded width, an upper bound
-        return float(P), f"P = {P} (the dataset could not be read: {type(e).__name__})"
+    except Exception as e:
+        raise SystemExit(f"the {workload} workload's prompts could not be read ({type(e).__name__}: {e}); "
+                         "prepare the model first: python tools/prepare_smollm2.py")
+    lengths = [len(data[i]["tokens"]) for i in range(len(data))]
+    return sum(lengths) / len(lengths), max(lengths), f"the {workload} workload's {len(lengths)} training prompts"
 
 
 class Trunk:
@@ -157,15 +170,17 @@ def attention_flops(queries: float, context: float) -> float:
     return 4 * queries * context * HEADS * HEAD_DIM * LAYERS
 
 
-def phases(p: float, r: float, trunk: Trunk, bw: Dict[str, float]) -> List[dict]:
-    """Each phase's FLOPs, bytes, GEMM-bound time and bound, at mean prompt ``p`` and response ``r``."""
+def phases(p: float, r: float, trunk: Trunk, bw: Dict[str, float], *, P: int, T: int,
+           longest: float) -> List[dict]:
+    """Each phase's FLOPs, bytes, GEMM-bound time and bound, at mean prompt ``p`` and response
+    ``r``, prompts padded to ``P``, ``longest`` the batch's longest response (mean over steps)."""
     out = []
     bf16 = trunk.dtype == torch.bfloat16
     width = 2 if bf16 else 4  # bytes a weight
     rows_prefill = B * P
-    # generate: prefill on [16, 32] padded rows, logits at every position ([B, P, V]); then
-    # r - 1 decode steps of 16 rows (one token each), each reading all weights once.
-    decode_steps = max(round(r) - 1, 0)
+    # generate: prefill on [16, P] padded rows, logits at every position ([B, P, V]); then
+    # longest - 1 decode steps of 16 rows (one token each), each reading all weights once.
+    decode_steps = max(round(longest) - 1, 0)
     prefill_vocab = trunk.vocab_forward(rows_prefill)
     prefill_gemm = trunk.forward(rows_prefill) + prefill_vocab
     decode_gemm = trunk.forward_streaming(B) + trunk.vocab_forward(B)
@@ -229,8 +244,14 @@ def phases(p: float, r: float, trunk: Trunk, bw: Dict[str, float]) -> List[dict]
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=tuple(WORKLOAD_T), default="arithmetic",
+                    help="bench_ppo.py --smollm2's workload: its prompts (P, their mean) and T")
     ap.add_argument("--response-len", type=float, default=12.0,
                     help="mean response tokens of the measured steps (run 1: 12.0)")
+    ap.add_argument("--longest-response", type=float, default=None,
+                    help="mean over the measured steps of each batch's longest response (the "
+                         "benchmark's 'response len (longest)'): decode steps + 1; default "
+                         "--response-len, exact only when every row is as long")
     for k, v in RUN1.items():
         ap.add_argument(f"--{k.replace('_', '-')}-s", type=float, default=v, dest=k,
                         help=f"measured median seconds of the phase (default {v}: RESULTS.md, run 1, ours)")
@@ -240,7 +261,11 @@ def main(argv=None) -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = ap.parse_args(argv)
 
-    p, where = prompt_tokens()
+    p, P, where = prompt_tokens(args.workload)
+    T = WORKLOAD_T[args.workload]
+    longest = args.response_len if args.longest_response is None else args.longest_response
+    if not 1 <= args.response_len <= longest <= T:
+        ap.error(f"need 1 <= --response-len ({args.response_len}) <= --longest-response ({longest}) <= T ({T})")
     g = torch.Generator().manual_seed(0)
     trunk = Trunk(g, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     bw = bandwidth()
@@ -249,10 +274,10 @@ def main(argv=None) -> None:
     hot = 2 * rate_m * DIM * MLP / _seconds(lambda: a @ w.t(), 50) / 1e9
     a16, w16 = a.bfloat16(), w.bfloat16()  # what dtype=bf16 would give (AMX where the CPU has it)
     hot_bf16 = 2 * rate_m * DIM * MLP / _seconds(lambda: a16 @ w16.t(), 50) / 1e9
-    rows = phases(p, args.response_len, trunk, bw)
+    rows = phases(p, args.response_len, trunk, bw, P=P, T=T, longest=longest)
 
     print(f"SmolLM2-135M ({PARAMS / 1e6:.1f}M parameters), {args.dtype}, batch {B}, P {P}, T {T}; "
-          f"mean prompt {p:.2f} tokens ({where}), responses {args.response_len} tokens")
+          f"mean prompt {p:.2f} tokens ({where}), responses {args.response_len} tokens, the longest {longest}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; bandwidth: copy {bw['copy']:.1f} GB/s "
           f"(read + written), sum {bw['read']:.1f} GB/s (read); one hot [{rate_m}, {DIM}] @ [{DIM}, {MLP}]: "
           f"{hot:.0f} GFLOP/s (bf16: {hot_bf16:.0f})")
@@ -273,7 +298,7 @@ def main(argv=None) -> None:
     for row in rows:
         print(f"- {row['phase']}: {row['detail']}")
     if args.json:
-        report = dict(prompt_tokens=p, bandwidth=bw, hot_gflops=hot, hot_bf16_gflops=hot_bf16, rows=rows,
+        report = dict(workload=args.workload, prompt_tokens=p, P=P, T=T, longest_response=longest, bandwidth=bw, hot_gflops=hot, hot_bf16_gflops=hot_bf16, rows=rows,
                       threads=torch.get_num_threads(), torch=torch.__version__)
         args.json.write_text(json.dumps(report, indent=1))
 

@@ -18,7 +18,10 @@ from torchtune_ppo.rlhf import Trajectory
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase of a step; syncs the device so the times are real."""
+    """Wall-clock seconds per phase of a step; syncs the device so the times are real.
+
+    Each phase is also a ``phase/<name>`` range in a torch profile of the run (the ``profiler``
+    block, ``benchmarks/bounds/smollm2_step_profile.py``)."""
 
     def __init__(self, device: torch.device):
         self._device = device
@@ -29,7 +32,8 @@ class PhaseTimer:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         start = time.perf_counter()
-        yield
+        with torch.profiler.record_function(f"phase/{phase}"):
+            yield
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
@@ -96,6 +100,8 @@ def step_metrics(
         "entropy": ppo.entropy,  # token mean, over the vocabulary, during the update
         "kl_loss": ppo.kl_loss,  # token mean of the loss's KL estimate, during the update
         "response_lengths": trajectory.seq_lens.float().mean(),
+        # the batch's longest response: a generation call decodes until its longest row ends
+        "response_lengths_max": trajectory.seq_lens.max(),
         "tokens_per_second_per_gpu_trajectory": b * s / traj_time,
         "tokens_per_second_per_gpu_ppo": ppo_epochs * b * s / ppo_time if ppo_time else 0.0,
         "generated_tokens_per_second": trajectory.seq_lens.sum() / times["generate"],

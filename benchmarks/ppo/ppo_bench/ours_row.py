@@ -52,6 +52,8 @@ class OursRow:
                 "graphs": compile_count() - graphs_before,
                 # Valid response tokens per row (stop token included), the batch's mean.
                 "response_len": metrics["response_lengths"],
+                # the batch's longest response: what its generation call decoded up to
+                "longest_response": metrics.get("response_lengths_max"),
                 # Token slots the packed loss step ran on / the real tokens it needed (a recipe
                 # without the metric reports none).
                 "slots_per_token": metrics.get("loss_step_slots_per_token"),

@@ -58,7 +58,7 @@ def markdown_table(rows: List[Dict[str, Any]], fastest: Optional[str]) -> str:
     head = (
         "| # | row | step (s) | whole run (s) | generate | score | advantages | loss+backward "
         "| optimizer | other | generate share | trajectory tok/s | PPO tok/s | compile (s) "
-        "| recompiles | response len | loss slots/token | peak mem (MiB) "
+        "| recompiles | response len (longest) | loss slots/token | peak mem (MiB) "
         f"| vs row 1 | {vs_fastest} |"
     )
     ncols = head.count("|") - 1
@@ -72,11 +72,17 @@ def markdown_table(rows: List[Dict[str, Any]], fastest: Optional[str]) -> str:
             + " | ".join(_f(r[p]) for p in PHASES)
             + f" | {r['generate_share']:.0%} | {_f(r['trajectory_tok_s'], '.0f')} "
             f"| {_f(r['ppo_tok_s'], '.0f')} | {_f(r['compile_s'], '.1f')} "
-            f"| {r['recompiles']} | {_f(r['response_len'], '.1f')} "
+            f"| {r['recompiles']} | {_f(r['response_len'], '.1f')}{_longest(r)} "
             f"| {_f(r['slots_per_token'], '.2f')} | {_f(r['peak_memory_mib'], '.0f')} "
             f"| {_x(r['speedup_vs_row1'])} | {_x(r['speedup_vs_fastest_torchtune'])} |"
         )
     return "\n".join(lines)
+
+
+def _longest(row: Dict[str, Any]) -> str:
+    """`` (L)``: the mean over measured steps of each batch's longest response, where known."""
+    longest = row.get("longest_response")
+    return "" if longest is None else f" ({longest:.1f})"
 
 
 def ratio_table(rows: List[Dict[str, Any]], fastest: Optional[str]) -> str:

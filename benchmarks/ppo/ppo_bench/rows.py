@@ -5,7 +5,7 @@ Each row runs in its own long-lived process (clean dynamo state, clean peak memo
 (``bench_common.protocol``). The spec holds everything the row needs (``recipe``, ``device``,
 ``threads``, ``cfg``). Each "step" reply holds one dict with ``step_s``, the phase seconds,
 ``prompt_len``, ``recompiles`` (graphs compiled since the end of step 1), ``graphs`` (graphs
-compiled since ``train()`` began), ``response_len`` (the batch's mean valid response tokens),
+compiled since ``train()`` began), ``response_len`` (the batch's mean valid response tokens), ``longest_response`` (its longest),
 ``slots_per_token`` (loss-step token slots per real token) and ``active_s`` (from the driver's
 command to the step's end); the "done" reply adds ``whole_run_s``, ``policy_params``,
 ``threads`` and the peak memory.

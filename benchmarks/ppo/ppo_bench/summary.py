@@ -65,6 +65,8 @@ def summarize(name: str, label: str, result: Dict[str, Any], *, warmup: int, bat
         recompiles=steps[-1]["recompiles"],
         # Mean over the measured steps of each batch's mean response length (stop token included).
         response_len=statistics.mean(s["response_len"] for s in measured),
+        # Mean over the measured steps of each batch's longest response (what generation decoded).
+        longest_response=_mean_or_none([s.get("longest_response") for s in measured]),
         slots_per_token=_median_or_none([s.get("slots_per_token") for s in measured]),
         max_slots_per_token=_max_or_none([s.get("slots_per_token") for s in steps]),
         policy_params=result.get("policy_params"),
@@ -78,6 +80,10 @@ def summarize(name: str, label: str, result: Dict[str, Any], *, warmup: int, bat
 
 def _median_or_none(values: List[Optional[float]]) -> Optional[float]:
     return None if not values or None in values else statistics.median(values)
+
+
+def _mean_or_none(values: List[Optional[float]]) -> Optional[float]:
+    return None if not values or None in values else statistics.mean(values)
 
 
 def _max_or_none(values: List[Optional[float]]) -> Optional[float]:

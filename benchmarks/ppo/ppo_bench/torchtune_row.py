@@ -176,7 +176,8 @@ def token_counts(trajectory, pad_id: int) -> Dict[str, float]:
 
     Returns:
         Dict[str, float]: ``response_len`` (valid response tokens per row, stop token
-        included, the batch's mean) and ``slots_per_token``.
+        included, the batch's mean), ``longest_response`` (the batch's longest) and
+        ``slots_per_token``.
     """
     import torch
 
@@ -187,6 +188,7 @@ def token_counts(trajectory, pad_id: int) -> Dict[str, float]:
     spans = (valid * torch.arange(1, valid.shape[1] + 1, device=valid.device)).amax(-1)
     real = int((prompt_lens + spans - 1)[spans > 0].sum())
     return {"response_len": float(valid.sum(-1).float().mean()),
+            "longest_response": float(valid.sum(-1).max()),
             "slots_per_token": rows * width / real if real else float("nan")}
 
 
