@@ -291,6 +291,7 @@ class PPOFullFinetuneRecipe(FTRecipeInterface):
             metrics = self.train_step(batch["tokens"].to(self._device), batch["prompt_lens"].to(self._device),
                                       int(batch["num_truncated"]), batch.get("references"))
             note = progress_.count_step(metrics, pretraining)
+            self._step.complete()  # a failure from here on saves this step
             if note and self._is_rank_zero:
                 log.info(note)
             if not self._recompiles.marked:

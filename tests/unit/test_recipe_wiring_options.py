@@ -9,6 +9,8 @@ function; TIS and MIS in bf16 with compiled scoring against eager; the one-pass 
 clipping as the four passes; and 35 keys at once at a value other than the default, each read
 where the recipe put it."""
 
+import logging
+
 import pytest
 import torch
 
@@ -319,6 +321,28 @@ def test_a_rollout_failing_after_an_update_saves_the_last_completed_step(make_re
     with pytest.raises(RuntimeError, match="the rollout broke"):
         recipe.train()
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_1"]
+
+
+def test_a_failure_after_a_counted_step_saves_that_step(make_recipe, tmp_path, caplog):
+    """Step 2 runs whole and is counted; the caller's ``on_step`` then raises (as a failing
+    metric logger or progress callback would): the run saves step 2, says it failed after step
+    2 (not during step 3's update), and the printed resume runs step 3 only."""
+    settings = dict(num_ppo_steps=3, save_every_n_steps="null", ppo_epochs=1, output_dir=tmp_path / "run")
+    recipe, _ = make_recipe(**settings)
+
+    def on_step(step, metrics):
+        if step == 2:
+            raise RuntimeError("the callback broke")
+
+    with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match="the callback broke"):
+        recipe.train(on_step=on_step)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_2"]
+    assert "PPO run failed after step 2 (RuntimeError: the callback broke)" in caplog.text, caplog.text
+    assert "the state after step 2 is saved" in caplog.text, caplog.text
+    more, _ = make_recipe(resume_from_checkpoint=True, **settings)
+    steps = []
+    more.train(on_step=lambda step, metrics: steps.append(step))
+    assert steps == [3]
 
 
 def test_references_reach_a_function_reward(make_recipe):

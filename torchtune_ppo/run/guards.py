@@ -51,6 +51,8 @@ class StepInProgress:
     An evaluation between steps is no step: a failure there leaves every step run complete, so
     the checkpoint is of the last one, with the random states captured when the evaluation
     began (it draws from a stream of its own, but a reward function may draw from the global ones).
+    So is what follows a step once it is counted (logging it, the caller's ``on_step``, its
+    checkpoint): a failure there saves that step, with the random states captured as it ended.
 
     Args:
         capture_rng (Callable[[], Any]): returns the run's random states now.
@@ -61,16 +63,21 @@ class StepInProgress:
         self.rng: Any = None
         self.updating = False
         self.evaluating = False  # between steps: the evaluation after the last one
+        self.completed = False  # between steps: the last one counted, not yet evaluated
 
     def begin(self) -> None:
-        self.rng, self.updating, self.evaluating = self._capture_rng(), False, False
+        self.rng, self.updating, self.evaluating, self.completed = self._capture_rng(), False, False, False
+
+    def complete(self) -> None:
+        """The step is counted: every step run is complete."""
+        self.rng, self.updating, self.evaluating, self.completed = self._capture_rng(), False, False, True
 
     def update_begins(self) -> None:
         self.updating = True
 
     def evaluation_begins(self) -> None:
         """The evaluation after the steps run begins; they are all complete."""
-        self.rng, self.updating, self.evaluating = self._capture_rng(), False, True
+        self.rng, self.updating, self.evaluating, self.completed = self._capture_rng(), False, True, False
 
 
 def evaluate_when_due(evaluator: Any, progress: Any, step: StepInProgress, checkpoints: Any,
@@ -116,6 +123,8 @@ def on_step_failure(error: BaseException, step: StepInProgress, *, steps_run: in
         after = " With eval.on_error=skip an evaluation that fails is logged and training goes on."
         if steps_run:
             after = f" A resumed run evaluates step {steps_run} again first.{after}"
+    elif step.completed:
+        failed = f"run failed after step {steps_run} ({type(error).__name__}: {error})"
     if isinstance(error, CheckpointWriteError):
         failed, where, after = f"checkpoint of step {steps_run} not saved: {error}", "the run stops here", ""
     elif saved_step == steps_run:
