@@ -204,6 +204,44 @@ def test_a_reward_model_is_read_at_the_last_valid_token():
 
 
 @torch.no_grad()
+def test_a_reward_model_scores_real_tokens_with_the_shared_prefix_once_a_row():
+    """Prompts that begin alike, of several lengths, responses stopping at several points: the
+    reward model runs on packed real tokens (fewer slots than the padded rows, the common
+    prefix once per packed row), and each score is the classifier's on that row alone."""
+    model = tiny_classifier(4).eval()
+    P, T, stop = 8, 5, torch.tensor([EOS_ID])
+    prompt_lens = [8, 4, 6, 5, 7, 4]
+    rows = left_padded_prompts(prompt_lens, P, seed=3)
+    shared = torch.tensor([11, 12, 13])  # every prompt's first three tokens
+    for i, q in enumerate(prompt_lens):
+        rows[i, P - q : P - q + 3] = shared
+    responses = torch.randint(3, 64, (len(prompt_lens), T), generator=torch.Generator().manual_seed(4))
+    for i, stop_at in enumerate([0, 2, 4, None, 1, 3]):  # EOS at that response position, or none
+        if stop_at is not None:
+            responses[i, stop_at] = EOS_ID
+    rows = torch.cat([rows, responses], 1)
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[0].shape), with_kwargs=True)
+    scores, seq_lens, _ = EvalScorer(ModelReward(model), _settings(P, penalise_no_eos=False), stop, {})(
+        rows, torch.tensor(prompt_lens), [None] * len(prompt_lens))
+    assert len(seen) == 0  # the trunk and head ran as the packed scoring runs them, not model(...)
+    alone = []
+    for i, q in enumerate(prompt_lens):
+        real = rows[i, P - q : P + int(seq_lens[i])][None]
+        alone.append(float(model(real)[0, -1, 0]))
+    assert scores.tolist() == pytest.approx(alone, abs=1e-5)
+    slots = []
+    model.layers[0].register_forward_pre_hook(lambda m, args, kwargs: slots.append(args[0].shape[:2]),
+                                              with_kwargs=True)
+    EvalScorer(ModelReward(model), _settings(P, penalise_no_eos=False), stop, {})(
+        rows, torch.tensor(prompt_lens), [None] * len(prompt_lens))
+    (r, length), = slots
+    real_tokens = sum(prompt_lens) + int(seq_lens.sum())
+    # fewer slots than the real tokens: the three shared tokens once per packed row
+    assert r * length < real_tokens < len(prompt_lens) * (P + T), (r, length, real_tokens)
+
+
+@torch.no_grad()
 def test_scores_are_the_training_rollouts_scores():
     """A reward model with the no-stop-token penalty: the evaluation's scores of a rollout's
     responses are the scores the training's packed scoring gave them."""

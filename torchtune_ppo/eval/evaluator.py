@@ -25,20 +25,22 @@ from omegaconf import DictConfig
 from torch import nn
 from torchtune import config, utils
 
-from torchtune_ppo import distributed
+from torchtune_ppo import distributed, lora
+from torchtune_ppo._patches.torchtune_modules import final_hidden_states
 from torchtune_ppo.config.batches import MIN_SHARED_PREFIX
 from torchtune_ppo.eval.data import EvalPrompts
 from torchtune_ppo.eval.metrics import eval_metrics, part_names, prompt_shard, sum_over_processes, tally
 from torchtune_ppo.eval.record import EvalRecord
 from torchtune_ppo.rewards import FunctionReward, ModelReward, WeightedSum
-from torchtune_ppo.rlhf import ScoringSettings, get_reward_penalty_mask, repeat_prompts, truncated
-from torchtune_ppo.rlhf.packing import common_prefix_len
+from torchtune_ppo.rlhf import ScoringSettings, block_causal_masks, get_reward_penalty_mask, repeat_prompts, truncated
+from torchtune_ppo.rlhf.packing import common_prefix_len, prompt_prefix
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rollout.generation import GenerationSteps, Generator
+from torchtune_ppo.rollout.scoring import plan_scoring
 from torchtune_ppo.rollout.turns import EpisodeStats, TurnRunner, episode_texts
 
 __all__ = ["ON_ERROR", "EvalScorer", "Evaluator", "build_evaluator", "eval_mode", "eval_prefix_len", "eval_seed",
-           "reward_parts"]
+           "packed_model_scores", "reward_parts"]
 
 # What an evaluation that raises does (``eval.on_error``): end the run, or be left out.
 ON_ERROR = ("stop", "skip")
@@ -83,7 +85,9 @@ class EvalScorer:
         seq_lens = (~padding).sum(-1)  # [b], stop token included
         if episodes is not None:  # the reward reads the whole episode
             valid, seq_lens = seq_lens, episodes.episode_lens
-        if isinstance(self.reward, ModelReward):
+        if isinstance(self.reward, ModelReward) and episodes is None:
+            scores = packed_model_scores(self.reward.model, rows, prompt_lens, seq_lens, P)
+        elif isinstance(self.reward, ModelReward):
             scores = self.reward(rows, masks, positions, (P + seq_lens - 1).clamp(min=0))
         else:
             scores = self._function(self.reward, rows, prompt_lens, seq_lens, references, episodes)
@@ -102,6 +106,23 @@ class EvalScorer:
                       device=rows.device)
         return fn.score_batch(rows, prompt_lens, seq_lens, list(references), prompt_len=self.settings.prompt_len,
                               stop_token_ids=self.stop_token_ids)
+
+
+def packed_model_scores(model: nn.Module, rows: torch.Tensor, prompt_lens: torch.Tensor, seq_lens: torch.Tensor,
+                        prompt_len: int) -> torch.Tensor:
+    """A reward model's ``[b]`` scores of truncated ``rows [b, P + T]``, on their real tokens only:
+    packed as the rollout's scoring packs them (:func:`~torchtune_ppo.rollout.scoring.plan_scoring`),
+    the prefix every prompt shares once per packed row, read at each row's last valid token
+    (``seq_lens [b]`` valid response tokens, each >= 1). The padded rows' scores up to rounding:
+    the same tokens, positions and attention, in fewer slots."""
+    lens, valid = prompt_lens.tolist(), seq_lens.tolist()
+    prefix = prompt_prefix(rows, lens, prompt_len)
+    plan = plan_scoring(lens, valid, prompt_len=prompt_len, response_len=rows.shape[1] - prompt_len, num_chunks=1,
+                        device=rows.device, common_prefix=prefix)
+    tokens = rows.flatten()[plan.token_src]  # [R, L]
+    masks = block_causal_masks(plan.segment_ids, plan.prefix_ids)
+    h = lora.base_adapters_off(model, lambda m: final_hidden_states(m, tokens, mask=masks, input_pos=plan.position_ids))
+    return model.output(h.flatten(0, 1)[plan.last_positions])[:, 0].float()
 
 
 @contextlib.contextmanager
