@@ -8,6 +8,11 @@ first sampled token); the rest of a call is decoding and scoring.
 
     python benchmarks/generation/bench_eval.py --config recipes/configs/smollm2/135M_ppo_arithmetic.yaml
     python benchmarks/generation/bench_eval.py --config ... eval.batch_size=16 share_prompt_prefix=False
+    python benchmarks/generation/bench_eval.py --config recipes/configs/smollm2/135M_ppo_arithmetic.yaml --reward-model
+
+``--reward-model`` scores with a SmolLM2 reward model (the prepared checkpoint with a random
+head, as ``benchmarks/ppo/bench_ppo.py --smollm2`` gives both recipes) instead of the config's
+function reward, and times the scoring (the reward model's forward) apart.
 
 Run it alone (``cpu_threads`` as given, else the config's).
 """
@@ -27,17 +32,39 @@ sys.path.insert(0, str(ROOT / "recipes"))
 from torchtune_ppo.config import validate_config  # noqa: E402
 
 
+class _TimedScorer:
+    """The evaluation's scorer, adding its seconds to ``total[0]``."""
+
+    def __init__(self, scorer, total):
+        self.scorer, self.parts, self.total = scorer, scorer.parts, total
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.scorer(*args, **kwargs)
+        finally:
+            self.total[0] += time.perf_counter() - start
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--reward-model", action="store_true",
+                   help="score with bench_ppo.py --smollm2's SmolLM2 reward model (random head)")
     p.add_argument("overrides", nargs="*", help="key=value, as on tune run's command line")
     args = p.parse_args()
     import ppo_full_finetune as recipe_module
 
     out = tempfile.mkdtemp(prefix="bench_eval_")
+    reward = []
+    if args.reward_model:
+        sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks/ppo")]
+        from bench_ppo import smollm2_assets
+
+        reward = smollm2_assets()[0]
     cfg = OmegaConf.merge(OmegaConf.load(args.config),
-                          OmegaConf.from_dotlist(["num_ppo_steps=1", f"output_dir={out}", *args.overrides]))
+                          OmegaConf.from_dotlist(["num_ppo_steps=1", f"output_dir={out}", *reward, *args.overrides]))
     cfg = validate_config(cfg)
     recipe = recipe_module.PPOFullFinetuneRecipe(cfg=cfg)
     recipe.setup(cfg=cfg)
@@ -56,23 +83,26 @@ def main() -> None:
             prefill[0] += time.perf_counter() - start
 
     gen.first_token = timed
+    scoring = [0.0]
+    evaluator.scorer = _TimedScorer(evaluator.scorer, scoring)
     sets = ", ".join(f"{p.name}: {len(p.prompt_lens)} prompts" for p in evaluator.prompts)
     print(f"evaluation: {sets}; width {gen.max_prompt_len}, shared prefix {gen.prefix_len} tokens, "
           f"{gen.max_generated_tokens} tokens, {gen.batch_size} rows a call, {cfg.dtype}, "
           f"compile.generate={cfg.compile.generate}")
     times = []
     for i in range(args.repeats):
-        prefill[0] = 0.0
+        prefill[0] = scoring[0] = 0.0
         start = time.perf_counter()
         metrics = evaluator.evaluate(step=i)
         seconds = time.perf_counter() - start
-        times.append((seconds, prefill[0]))
+        times.append((seconds, prefill[0], scoring[0]))
         shown = ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.endswith("pass@1"))
-        print(f"  evaluation {i + 1}: {seconds:.1f} s, of which prefill {prefill[0]:.1f} s ({shown})")
+        print(f"  evaluation {i + 1}: {seconds:.1f} s, of which prefill {prefill[0]:.1f} s, scoring "
+              f"{scoring[0]:.1f} s ({shown})")
     if len(times) > 1:
         later = times[1:]
-        print(f"later evaluations, median: {statistics.median(t for t, _ in later):.1f} s, "
-              f"prefill {statistics.median(p for _, p in later):.1f} s")
+        print(f"later evaluations, median: {statistics.median(t[0] for t in later):.1f} s, "
+              f"prefill {statistics.median(t[1] for t in later):.1f} s, scoring {statistics.median(t[2] for t in later):.1f} s")
 
 
 if __name__ == "__main__":
