@@ -219,6 +219,34 @@ def test_compiled_the_first_evaluation_after_step_1_is_not_a_recompile(evaluated
             assert value == pytest.approx(eager[2][key], rel=1e-6), key
 
 
+def test_a_reward_models_evaluation_compiled_with_layers_recompiles_nothing(tmp_path):
+    """A reward model instead of the function reward (the policy's checkpoint with a random head),
+    the shipped compile block (one layer compiled per use; dynamo's eager backend), an
+    evaluation before step 1 and after each step: the evaluation's reward model scores packed
+    rows through the compiled layers, and nothing is compiled after step 1."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(CONFIG)
+    cfg.reward, cfg.dataset.reference_column = None, None
+    cfg.reward_checkpointer = OmegaConf.create({
+        "_component_": "torchtune_ppo.models.ClassifierHFCheckpointer", "checkpoint_dir": "${ppo_asset:tiny_arithmetic/policy}",
+        "checkpoint_files": ["model.safetensors"], "model_type": "LLAMA2", "value_head_init": "normal",
+        "output_dir": "${output_dir}/reward"})
+    config = tmp_path / "reward_model.yaml"
+    OmegaConf.save(cfg, config)
+    out = tmp_path / "run"
+    cmd = [*TUNE, "run", "ppo_full_finetune", "--config", str(config), f"output_dir={out}", *SHAPE, "num_ppo_steps=2",
+           "eval.every_n_steps=1", "eval.before_training=True", "eval.max_prompts=32", "eval.batch_size=16",
+           "compile=True"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TORCHTUNE_PPO_COMPILE_BACKEND": "eager"})
+    assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stderr[-5000:]}"
+    assert "layers=True" in proc.stderr
+    rows, evals = read_disk_log(out / "logs"), read_eval_log(out / "logs")
+    assert [r["recompiles"] for r in rows] == [0, 0] and [s for s, _ in evals] == [0, 1, 2], (rows, evals)
+    assert all(math.isfinite(e["val/reward_mean"]) for _, e in evals)
+
+
 def test_resuming_a_run_that_stopped_early_says_where_why_and_what_to_change(evaluated, tmp_path):
     out, _ = evaluated
     resumed = tmp_path / "resumed"

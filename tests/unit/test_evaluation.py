@@ -29,7 +29,8 @@ from torchtune_ppo.run.progress import Progress
 from torchtune_ppo.run.watch import run_summary
 from torchtune_ppo.ppo.value_pretrain import ValuePretraining
 
-from conftest import EOS_ID, PAD_ID, left_padded_prompts, tiny_classifier, tiny_policy
+from conftest import EOS_ID, PAD_ID, VOCAB, left_padded_prompts, tiny_classifier, tiny_policy
+from torchtune.models.llama2 import llama2_classifier
 
 CONFIGS = Path(__file__).parents[2] / "recipes/configs"
 ARITHMETIC, SENTIMENT = CONFIGS / "tiny/ppo_tiny_arithmetic.yaml", CONFIGS / "tiny/ppo_tiny_sentiment.yaml"
@@ -239,6 +240,15 @@ def test_a_reward_model_scores_real_tokens_with_the_shared_prefix_once_a_row():
     real_tokens = sum(prompt_lens) + int(seq_lens.sum())
     # fewer slots than the real tokens: the three shared tokens once per packed row
     assert r * length < real_tokens < len(prompt_lens) * (P + T), (r, length, real_tokens)
+    # a model that takes no longer rows than P + T gets none: the same scores from rows of at most P + T
+    short = llama2_classifier(num_classes=1, vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2,
+                              embed_dim=32, max_seq_len=P + T, intermediate_dim=64)
+    short.load_state_dict(model.state_dict())
+    short.eval().layers[0].register_forward_pre_hook(lambda m, args, kwargs: slots.append(args[0].shape[:2]),
+                                                     with_kwargs=True)
+    scores_short, _, _ = EvalScorer(ModelReward(short), _settings(P, penalise_no_eos=False), stop, {})(
+        rows, torch.tensor(prompt_lens), [None] * len(prompt_lens))
+    assert slots[-1][1] <= P + T and scores_short.tolist() == pytest.approx(alone, abs=1e-5), slots
 
 
 @torch.no_grad()

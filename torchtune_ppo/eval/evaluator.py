@@ -33,7 +33,7 @@ from torchtune_ppo.eval.metrics import eval_metrics, part_names, prompt_shard, s
 from torchtune_ppo.eval.record import EvalRecord
 from torchtune_ppo.rewards import FunctionReward, ModelReward, WeightedSum
 from torchtune_ppo.rlhf import ScoringSettings, block_causal_masks, get_reward_penalty_mask, repeat_prompts, truncated
-from torchtune_ppo.rlhf.packing import common_prefix_len, prompt_prefix
+from torchtune_ppo.rlhf.packing import common_prefix_len, prefix_row_len, prompt_prefix
 from torchtune_ppo.rollout import Rollout
 from torchtune_ppo.rollout.generation import GenerationSteps, Generator
 from torchtune_ppo.rollout.scoring import plan_scoring
@@ -116,9 +116,11 @@ def packed_model_scores(model: nn.Module, rows: torch.Tensor, prompt_lens: torch
     (``seq_lens [b]`` valid response tokens, each >= 1). The padded rows' scores up to rounding:
     the same tokens, positions and attention, in fewer slots."""
     lens, valid = prompt_lens.tolist(), seq_lens.tolist()
-    prefix = prompt_prefix(rows, lens, prompt_len)
-    plan = plan_scoring(lens, valid, prompt_len=prompt_len, response_len=rows.shape[1] - prompt_len, num_chunks=1,
-                        device=rows.device, common_prefix=prefix)
+    prefix, response_len = prompt_prefix(rows, lens, prompt_len), rows.shape[1] - prompt_len
+    limit = getattr(model, "max_seq_len", None)  # packed rows no longer than the model takes
+    plan = plan_scoring(lens, valid, prompt_len=prompt_len, response_len=response_len, num_chunks=1,
+                        device=rows.device, common_prefix=prefix,
+                        row_len=prefix_row_len(prompt_len, response_len, limit if isinstance(limit, int) else None))
     tokens = rows.flatten()[plan.token_src]  # [R, L]
     masks = block_causal_masks(plan.segment_ids, plan.prefix_ids)
     h = lora.base_adapters_off(model, lambda m: final_hidden_states(m, tokens, mask=masks, input_pos=plan.position_ids))
