@@ -265,6 +265,10 @@ def test_logged_stats_under_each_aggregation_by_hand(aggregation):
     assert result.skipped_updates == 0 and len(result.stats) == 4  # 2 updates x 2 micro-batches
     zeros = torch.zeros(4, T)
     logged = step_metrics(traj, result.stats, zeros, zeros, {"generate": 1.0}, grad_accum=2, ppo_epochs=2)
+    # the ragged rows' mean length and the longest (what a generation call decodes up to)
+    lens = traj.seq_lens.float()
+    assert logged["response_lengths"] == pytest.approx(float(lens.mean()))
+    assert logged["response_lengths_max"] == float(lens.max()) > float(lens.mean())
 
     terms = _hand_token_terms(entropy)
     for name, x in terms.items():
