@@ -564,3 +564,29 @@ def test_batches_that_do_not_split_over_the_processes_are_refused(overrides, wor
         check_world_size(cfg, world)
     ok = validate_config(_cfg(ppo_batch_size=8, gradient_accumulation_steps=4))
     check_world_size(ok, 2)  # 4 rows a rank in 4 micro-batches
+
+
+def test_reward_null_on_tunes_command_line_means_no_reward_function(caplog):
+    """``reward=null`` on tune's command line sets ``reward._component_`` (torchtune's shorthand for
+    a block's component; ``~reward`` cannot remove a block with one): with a reward model given
+    as well, the function reward is read as off and noted, not refused as a second reward."""
+    from argparse import Namespace
+
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+
+    arithmetic = CONFIG.parent / "ppo_tiny_arithmetic.yaml"
+    yaml = OmegaConf.to_container(OmegaConf.load(arithmetic), resolve=False)
+    model = ["reward_checkpointer._component_=torchtune_ppo.models.ClassifierHFCheckpointer",
+             "reward_checkpointer.checkpoint_dir=${ppo_asset:tiny_arithmetic/policy}",
+             "reward_checkpointer.checkpoint_files=[model.safetensors]", "reward_checkpointer.model_type=LLAMA2",
+             "reward_checkpointer.output_dir=/tmp/reward", "dataset.reference_column=null"]
+    cfg = _merge_yaml_and_cli_args(Namespace(**yaml), ["reward=null", *model])
+    assert cfg.reward._component_ is None and cfg.reward.extract == "last_number"  # what tune hands the recipe
+    with caplog.at_level(logging.INFO):
+        out = validate_config(cfg, check_machine=False)
+    assert out.reward is None and out.reward_checkpointer.model_type == "LLAMA2"
+    assert "reward._component_ is null: read as `reward: null`" in caplog.text
+    # without a reward model, no reward at all is refused by name
+    no_model = _merge_yaml_and_cli_args(Namespace(**yaml), ["reward=null"])
+    with pytest.raises(ValueError, match="config has no reward"):
+        validate_config(no_model, check_machine=False)

@@ -39,6 +39,7 @@ from torchtune_ppo.config.precision import resolve_auto_dtype
 from torchtune_ppo.config.schema import (
     COMPILE_REGIONS,
     EVAL_KEYS,
+    Component,
     KEYS,
     LOSS_KEYS,
     NOTED_KEYS,
@@ -175,6 +176,7 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown}; valid keys are {sorted(VALID_KEYS)}.")
     cfg = with_defaults(cfg)
+    _null_components(cfg)
     cfg.loss = _loss_with_defaults(cfg.loss)
     _check_block_keys(cfg, "value_pretrain", VALUE_PRETRAIN_KEYS)
     _check_block_keys(cfg, "rollout_correction", ROLLOUT_CORRECTION_KEYS)
@@ -204,6 +206,19 @@ def validate_config(cfg: DictConfig, *, check_machine: bool = True) -> DictConfi
         check_checkpoint_files(cfg)
     check_models(cfg)
     return cfg
+
+
+def _null_components(cfg: DictConfig) -> None:
+    """A block that may be null and whose ``_component_`` is null is read as null: on tune's
+    command line ``reward=null`` sets ``reward._component_`` (torchtune's shorthand for a block's
+    component), and ``~reward`` cannot remove a block that has one; each such block is noted."""
+    for key in SCHEMA:
+        block = cfg.get(key.name)
+        if (isinstance(key.kind, Component) and key.kind.optional and isinstance(block, DictConfig)
+                and "_component_" in block and block["_component_"] is None):
+            cfg[key.name] = None
+            note(f"{key.name}._component_ is null: read as `{key.name}: null` (on tune's command line "
+                 f"`{key.name}=null` sets the block's _component_)")
 
 
 def _resolve_dtype(cfg: DictConfig, check_machine: bool) -> None:
