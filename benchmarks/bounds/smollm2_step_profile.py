@@ -47,8 +47,9 @@ def phase_tables(events, phases) -> Dict[str, dict]:
         stack = [c for r in ranges for c in r.cpu_children]
         while stack:
             e = stack.pop()
-            self_us[e.name] += e.self_cpu_time_total
-            calls[e.name] += 1
+            name = f"{e.name} {e.input_shapes}" if e.input_shapes else e.name
+            self_us[name] += e.self_cpu_time_total
+            calls[name] += 1
             stack.extend(e.cpu_children)
         wall = sum(r.time_range.elapsed_us() for r in ranges)
         out[phase] = dict(wall_us=wall, self_us=dict(self_us), calls=dict(calls), entries=len(ranges))
@@ -74,6 +75,7 @@ def main(argv: List[str] = None) -> None:
     ap.add_argument("--warmup", type=int, default=2, help="steps before the profiled one (the first compiles)")
     ap.add_argument("--phases", default=",".join(PHASES), help="comma-separated phases to print")
     ap.add_argument("--top", type=int, default=15, help="ops printed per phase")
+    ap.add_argument("--shapes", action="store_true", help="name each op with its input shapes")
     ap.add_argument("--json", type=Path, default=None, help="also write the tables here")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, as bench_ppo.py)")
     args = ap.parse_args(argv)
@@ -102,7 +104,7 @@ def main(argv: List[str] = None) -> None:
     ours = OursRow(cfg)
     tables, seen = {}, []
 
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=args.shapes)
 
     def on_step(step: dict) -> None:
         seen.append(step)
