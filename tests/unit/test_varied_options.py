@@ -264,11 +264,18 @@ def test_logged_stats_under_each_aggregation_by_hand(aggregation):
     result = update(traj, advantages, returns, PhaseTimer(torch.device("cpu")), step=1)
     assert result.skipped_updates == 0 and len(result.stats) == 4  # 2 updates x 2 micro-batches
     zeros = torch.zeros(4, T)
-    logged = step_metrics(traj, result.stats, zeros, zeros, {"generate": 1.0}, grad_accum=2, ppo_epochs=2)
+    times = {"generate": 2.0, "score": 3.0, "loss_step": 5.0, "optimizer": 1.0}
+    logged = step_metrics(traj, result.stats, zeros, zeros, times, grad_accum=2, ppo_epochs=2)
     # the ragged rows' mean length and the longest (what a generation call decodes up to)
     lens = traj.seq_lens.float()
     assert logged["response_lengths"] == pytest.approx(float(lens.mean()))
     assert logged["response_lengths_max"] == float(lens.max()) > float(lens.mean())
+    # throughput: generated tokens over the generation's seconds; positions over each half's
+    b, s = traj.query_responses.shape
+    assert logged["generated_tokens_per_second"] == pytest.approx(float(lens.sum()) / 2.0)
+    assert logged["tokens_per_second_per_gpu_trajectory"] == pytest.approx(b * s / 5.0)
+    assert logged["tokens_per_second_per_gpu_ppo"] == pytest.approx(2 * b * s / 6.0)
+    assert logged["time/score"] == 3.0
 
     terms = _hand_token_terms(entropy)
     for name, x in terms.items():
