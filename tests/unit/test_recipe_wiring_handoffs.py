@@ -70,6 +70,13 @@ BUILDS = {
         "eval.dataset.data_files": "EVALDATA", "eval.dataset.column": "prompt",
         "eval.dataset.reference_column": "answer", "eval.dataset.split": "train",
     }),
+    # the same with share_prompt_prefix at its default (null): the evaluation shares the prefix
+    "eval_prefix_default": ("ppo_tiny_arithmetic.yaml", {
+        "max_prompt_len": 20, "eval.max_prompts": 8,
+        "eval.dataset._component_": "torchtune_ppo.data.prompt_dataset", "eval.dataset.source": "json",
+        "eval.dataset.data_files": "EVALDATA", "eval.dataset.column": "prompt",
+        "eval.dataset.reference_column": "answer", "eval.dataset.split": "train",
+    }),
     "bf16_compiled": ("ppo_tiny_sentiment.yaml", {
         "dtype": "bf16", "master_rounding": "nearest", "compile.generate": True, "compile.trajectory": True,
         "compile.loss_step": True, "compile.rollout": False, "compile.optimizer": True,
@@ -125,7 +132,7 @@ def built(tmp_path_factory):
             config, overrides = BUILDS[name]
             out = tmp_path_factory.mktemp(name)
             overrides = {k: (str(out / v) if v in PATHS else _dotlist_value(v)) for k, v in overrides.items()}
-            if "eval.dataset.data_files" in overrides and name == "eval_prefix":
+            if "eval.dataset.data_files" in overrides and name.startswith("eval_prefix"):
                 _prefixed_prompts(out / "EVALDATA", "0+0+0+0+0+")
             cfg = recipe_config(out / "run", config, **overrides)
             threads = []
@@ -346,6 +353,14 @@ def test_a_key_at_a_value_other_than_its_default_reaches_its_part(built, key, bu
         assert got == pytest.approx(expected, rel=1e-6), (key, got)
     else:
         assert got == expected, (key, got)
+
+
+def test_the_evaluation_shares_its_prompts_prefix_unless_told_not_to(built):
+    """``share_prompt_prefix`` at its default (null) and true: the evaluation's generator computes
+    the prefix its prompts share once a call; false: not (the ``eval_prefix`` build above)."""
+    recipe, cfg, _ = built("eval_prefix_default")
+    assert cfg.share_prompt_prefix is None
+    assert recipe._evaluator.generator.prefix_len == _eval_prefix(recipe) > 0
 
 
 def test_every_builds_value_is_other_than_the_default_and_the_shipped_configs():
