@@ -281,6 +281,8 @@ HANDOFFS = [
     ("eval.before_training", "arithmetic", CFG, lambda r, s: r._progress.evaluation.before_training),
     ("eval.best_metric", "arithmetic", CFG, lambda r, s: r._progress.evaluation.best_metric),
     ("eval.best_mode", "arithmetic", CFG, lambda r, s: r._progress.evaluation.best_mode),
+    # a new best's checkpoint is kept from pruning: the evaluator tells the run's checkpoint manager
+    ("eval.best_metric", "arithmetic", True, lambda r, s: r._evaluator._keep_step == r._checkpoints.manager.keep_step),
     ("eval.early_stop_patience", "arithmetic", CFG, lambda r, s: r._progress.evaluation.early_stop_patience),
     ("eval.max_prompts", "arithmetic", CFG, lambda r, s: len(r._evaluator.prompts[0].tokens)),
     ("eval.num_samples", "arithmetic", CFG, lambda r, s: r._evaluator.num_samples),
