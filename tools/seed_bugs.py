@@ -478,9 +478,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
       '"rlhf_reward": scores - kl_rewards.sum(1).mean(),',
       "rlhf_reward subtracts the (already negative) KL penalty: the KL is added to the score"),
     M("fresh2-guards-updating-not-reset", "torchtune_ppo/run/guards.py",
-      "self.rng, self.updating, self.evaluating, self.completed = self._capture_rng(), False, False, False",
-      "self.rng, self.evaluating, self.completed = self._capture_rng(), False, False",
-      "a step's start does not reset `updating`: after the first update a failure in rollout is never saved"),
+      "self.rng, self.updating, self.evaluating, self.completed = self._capture_rng(), False, False, True",
+      "self.rng, self.evaluating, self.completed = self._capture_rng(), False, True",
+      # begin() and complete() both reset it; since complete() exists, this is the one a failure
+      # between steps depends on (begin()'s alone would be an equivalent mutant)
+      "a counted step does not reset `updating`: a failure after it (logging, on_step) is never saved"),
     M("fresh2-batches-grad-accum-global", "torchtune_ppo/config/batches.py",
       "if (cfg.ppo_batch_size // world_size) % cfg.gradient_accumulation_steps:",
       "if cfg.ppo_batch_size % cfg.gradient_accumulation_steps:",
