@@ -223,7 +223,9 @@ def test_a_reward_models_evaluation_compiled_with_layers_recompiles_nothing(tmp_
     """A reward model instead of the function reward (the policy's checkpoint with a random head),
     the shipped compile block (one layer compiled per use; dynamo's eager backend), an
     evaluation before step 1 and after each step: the evaluation's reward model scores packed
-    rows through the compiled layers, and nothing is compiled after step 1."""
+    rows through the compiled layers with the graph the training's scoring uses for frozen
+    weights (the layer's inference use traced twice, as without evaluation: frozen and trainable
+    weights), and nothing is compiled after step 1."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(CONFIG)
@@ -239,9 +241,12 @@ def test_a_reward_models_evaluation_compiled_with_layers_recompiles_nothing(tmp_
            "eval.every_n_steps=1", "eval.before_training=True", "eval.max_prompts=32", "eval.batch_size=16",
            "compile=True"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TORCHTUNE_PPO_COMPILE_BACKEND": "eager"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TORCHTUNE_PPO_COMPILE_BACKEND": "eager",
+                               "TORCH_LOGS": "dynamo"})
     assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stderr[-5000:]}"
     assert "layers=True" in proc.stderr
+    traced = re.findall(r"torchdynamo done tracing (\w+)", proc.stderr)
+    assert traced.count("_layer_infer") == 2, traced
     rows, evals = read_disk_log(out / "logs"), read_eval_log(out / "logs")
     assert [r["recompiles"] for r in rows] == [0, 0] and [s for s, _ in evals] == [0, 1, 2], (rows, evals)
     assert all(math.isfinite(e["val/reward_mean"]) for _, e in evals)

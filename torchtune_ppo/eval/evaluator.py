@@ -121,6 +121,8 @@ def packed_model_scores(model: nn.Module, rows: torch.Tensor, prompt_lens: torch
     plan = plan_scoring(lens, valid, prompt_len=prompt_len, response_len=response_len, num_chunks=1,
                         device=rows.device, common_prefix=prefix,
                         row_len=prefix_row_len(prompt_len, response_len, limit if isinstance(limit, int) else None))
+    # rows and row length dynamic, as the rollout's: compiled layers trace once for every mix
+    plan = plan.mark_dynamic(length=True)
     tokens = rows.flatten()[plan.token_src]  # [R, L]
     masks = block_causal_masks(plan.segment_ids, plan.prefix_ids)
     h = lora.base_adapters_off(model, lambda m: final_hidden_states(m, tokens, mask=masks, input_pos=plan.position_ids))
